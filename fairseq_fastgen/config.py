@@ -1,0 +1,233 @@
+"""FastGenConfig: every fairseq-fastgen knob, in one place.
+
+The same field names are reachable three ways:
+
+* CLI: ``--fastgen-<name>`` on ``fairseq-generate`` / ``fairseq-interactive`` /
+  ``fairseq-train`` / ``fairseq-eval-lm`` when ``--user-dir fairseq_fastgen`` is given
+  (``--fastgen-bitwise``, ``--fastgen-no-shared-encoder`` ... booleans that default to
+  True are switched off with ``--fastgen-no-<name>``);
+* Hydra/OmegaConf: a top-level ``fastgen`` node, e.g. ``+fastgen.bitwise=true``;
+* Python: ``fairseq_fastgen.configure(bitwise=True)`` or
+  ``FastSequenceGenerator(..., fastgen=FastGenConfig(bitwise=True))``.
+
+Unknown keys and bad values raise :class:`FastGenConfigError` naming the key.
+"""
+import dataclasses
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+NGRAM_BLOCKERS = ("auto", "torch", "cupy", "stock")
+
+
+class FastGenConfigError(ValueError):
+    """A fastgen option was unknown or had a bad value."""
+
+
+@dataclass
+class FastGenConfig:
+    enabled: bool = field(
+        default=True,
+        metadata={"help": "master switch; false builds fairseq's stock SequenceGenerator"},
+    )
+    bitwise: bool = field(
+        default=False,
+        metadata={
+            "help": "use only optimizations that keep every float operation identical to "
+            "stock fairseq, so output is byte-identical (slower than the default "
+            "lossless mode, which reorders some reductions: scores agree to ~1e-6)"
+        },
+    )
+    shared_encoder: bool = field(
+        default=True,
+        metadata={
+            "help": "beam-shared encoder states: encoder output and encoder-decoder "
+            "keys/values kept once per sentence, never replicated per beam nor reordered"
+        },
+    )
+    kv_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "preallocated self-attention key/value cache written and reordered "
+            "in place (no torch.cat or allocation per step)"
+        },
+    )
+    fast_decoder: bool = field(
+        default=True,
+        metadata={
+            "help": "drive fairseq's TransformerDecoder layers with a lean incremental step "
+            "(fused q/k/v projection, no per-step dict state); needed by shared_encoder "
+            "and kv_cache"
+        },
+    )
+    attention: bool = field(
+        default=False,
+        metadata={
+            "help": "always keep per-hypothesis cross-attention weights (hypo['attention']); "
+            "by default they are computed only when alignments are printed"
+        },
+    )
+    ngram_blocker: str = field(
+        default="auto",
+        metadata={
+            "help": "repeated n-gram blocker: auto (CuPy kernel on CUDA when available, "
+            "else vectorized torch), torch, cupy, or stock (fairseq's own)",
+            "choices": NGRAM_BLOCKERS,
+        },
+    )
+    trust_checkpoint: bool = field(
+        default=False,
+        metadata={
+            "help": "load checkpoints with full unpickling (weights_only=False); only for "
+            "files you trust whose extra objects are not on the safe allow-list"
+        },
+    )
+    log_fallbacks: bool = field(
+        default=True,
+        metadata={"help": "log one line whenever an option falls back to stock code"},
+    )
+
+    def __post_init__(self):
+        for f in fields(self):
+            _check_value(f, getattr(self, f.name))
+
+    def replace(self, **overrides) -> "FastGenConfig":
+        """A copy with ``overrides`` applied (validated)."""
+        return FastGenConfig.from_mapping({**self.to_dict(), **overrides})
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], base: Optional["FastGenConfig"] = None):
+        """Build from a dict-like (Hydra node, kwargs), rejecting unknown keys."""
+        known = {f.name: f for f in fields(cls)}
+        merged = (base or cls()).to_dict()
+        for key, value in values.items():
+            if key.startswith("_"):
+                continue  # Hydra bookkeeping such as ``_name``
+            if key not in known:
+                raise FastGenConfigError(
+                    f"unknown fastgen option {key!r}; known options: {', '.join(sorted(known))}"
+                )
+            merged[key] = _coerce(known[key], value)
+        return cls(**merged)
+
+    def active_optimizations(self) -> Dict[str, bool]:
+        """Which optimizations this config switches on (for the one start-up log line)."""
+        on = self.enabled
+        fast = on and self.fast_decoder
+        return {
+            "fast_decoder": fast,
+            "shared_encoder": fast and self.shared_encoder,
+            "kv_cache": fast and self.kv_cache,
+            "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
+            "ngram_blocker=" + self.ngram_blocker: on,
+        }
+
+    def describe(self) -> str:
+        opts = [k for k, v in self.active_optimizations().items() if v]
+        mode = "off" if not self.enabled else ("bitwise" if self.bitwise else "lossless")
+        return f"fairseq-fastgen: mode={mode}; active: {', '.join(opts) or 'none'}"
+
+
+def _check_value(f, value):
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise FastGenConfigError(
+            f"fastgen option {f.name!r}: {value!r} is not one of {', '.join(choices)}"
+        )
+    if f.type in (bool, "bool") and not isinstance(value, bool):
+        raise FastGenConfigError(f"fastgen option {f.name!r} must be true/false, got {value!r}")
+
+
+def _coerce(f, value):
+    if f.type in (bool, "bool") and isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise FastGenConfigError(f"fastgen option {f.name!r} must be true/false, got {value!r}")
+    return value
+
+
+# The config used by generators that fairseq builds for us (CLI flags and Hydra nodes
+# land here); Python callers may also pass a FastGenConfig to FastSequenceGenerator.
+_active = FastGenConfig()
+
+
+def active() -> FastGenConfig:
+    return _active
+
+
+def set_active(cfg: FastGenConfig) -> FastGenConfig:
+    global _active
+    _active = cfg
+    return cfg
+
+
+def configure(**options) -> FastGenConfig:
+    """Python entry point: ``fairseq_fastgen.configure(bitwise=True)``."""
+    return set_active(FastGenConfig.from_mapping(options, base=_active))
+
+
+# ---- argparse <-> config ------------------------------------------------------------
+
+def cli_flag(name: str) -> str:
+    return "--fastgen-" + name.replace("_", "-")
+
+
+def add_args(parser) -> None:
+    """Add one ``--fastgen-*`` flag per field to an argparse parser (idempotent)."""
+    if any(a.dest == "fastgen_enabled" for a in parser._actions):
+        return
+    group = parser.add_argument_group("fairseq-fastgen")
+    for f in fields(FastGenConfig):
+        dest = "fastgen_" + f.name
+        help_ = f.metadata.get("help", "")
+        if f.type in (bool, "bool"):
+            if f.default:
+                group.add_argument(
+                    "--fastgen-no-" + f.name.replace("_", "-"), dest=dest,
+                    action="store_false", help="switch off: " + help_,
+                )
+            else:
+                group.add_argument(cli_flag(f.name), dest=dest, action="store_true", help=help_)
+            parser.set_defaults(**{dest: f.default})
+        else:
+            group.add_argument(
+                cli_flag(f.name), dest=dest, default=f.default,
+                choices=f.metadata.get("choices"), help=help_,
+            )
+
+
+def from_namespace(args) -> Optional[FastGenConfig]:
+    """FastGenConfig from parsed ``--fastgen-*`` flags, or None if the parser had none."""
+    values = {
+        f.name: getattr(args, "fastgen_" + f.name)
+        for f in fields(FastGenConfig)
+        if hasattr(args, "fastgen_" + f.name)
+    }
+    return FastGenConfig.from_mapping(values) if values else None
+
+
+def from_hydra(cfg) -> Optional[FastGenConfig]:
+    """FastGenConfig from the ``fastgen`` node at the root of a fairseq Hydra config.
+
+    ``cfg`` may be any node of the config tree (fairseq hands generator builders only
+    ``cfg.generation``); the root is found through OmegaConf's parent links.
+    """
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - fairseq always brings omegaconf
+        return None
+    if not isinstance(cfg, DictConfig):
+        return None
+    root = cfg._get_root()
+    node = root.get("fastgen", None) if "fastgen" in root else None
+    if node is None:
+        return None
+    return FastGenConfig.from_mapping(OmegaConf.to_container(node, resolve=True), base=_active)

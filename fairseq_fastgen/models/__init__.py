@@ -1,0 +1,1 @@
+"""fairseq-fastgen models (imported by fairseq's --user-dir loader; no side effects)."""

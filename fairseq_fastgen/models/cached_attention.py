@@ -1,0 +1,105 @@
+"""Encoder-decoder attention with keys/values kept once per sentence, shared by the beam.
+
+fairseq replicates the encoder output ``beam`` times, projects keys/values for every
+hypothesis, and re-gathers them with ``index_select`` at every step although all
+hypotheses of a sentence attend to the same source.  Here keys/values are projected once
+per sentence (bit-identical to projecting each replica) and never reordered; only a batch
+shrink (finished sentences) selects rows.
+
+Two ways to attend:
+
+* lossless (default): the beam's queries become the rows of one GEMM per (sentence,
+  head), ``(beam, d) x (d, S)``.  A GEMM of another shape may round the last bit
+  differently (~1e-6 on scores).
+* bitwise: keys/values are broadcast to one copy per hypothesis once per batch (and
+  re-selected only on a shrink), and attention runs fairseq's exact
+  ``(1, d) x (d, S)`` GEMM per (hypothesis, head).
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class CrossAttentionCache:
+    """One decoder layer's encoder-decoder attention over a batch of sentences."""
+
+    def __init__(self, attn, enc: Tensor, pad_mask: Optional[Tensor], beam: int,
+                 shared: bool = True, bitwise: bool = False):
+        """attn: the layer's fairseq MultiheadAttention; enc: (S, bsz, C_enc) encoder
+        output of each sentence once; pad_mask: (bsz, S) bool, True at padding."""
+        self.attn = attn
+        self.beam = beam
+        self.heads = attn.num_heads
+        self.head_dim = attn.head_dim
+        self.merged = shared and not bitwise
+        s, bsz, _ = enc.shape
+        k = attn.k_proj(enc)  # (S, bsz, C): once per sentence
+        v = attn.v_proj(enc)
+        # (bsz*H, S, hd), as fairseq stores prev_key
+        self.k = k.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
+        self.v = v.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
+        self.pad = pad_mask.bool() if pad_mask is not None and pad_mask.any() else None
+        if not self.merged:
+            # one copy per hypothesis: fairseq's layout, built once instead of every step
+            rep = torch.arange(bsz, device=enc.device).repeat_interleave(beam)
+            self.k, self.v, self.pad = self._rows(rep, beam)
+
+    def _rows(self, sent_rows: Tensor, per_sent: int):
+        """Select sentences (bsz_new,) from (bsz*H, S, hd) caches."""
+        s = self.k.size(1)
+        k = self.k.view(-1, self.heads, s, self.head_dim).index_select(0, sent_rows)
+        v = self.v.view(-1, self.heads, s, self.head_dim).index_select(0, sent_rows)
+        pad = self.pad.index_select(0, sent_rows) if self.pad is not None else None
+        return (k.view(-1, s, self.head_dim), v.view(-1, s, self.head_dim), pad)
+
+    def select(self, sent_idx: Tensor, order: Tensor) -> None:
+        """Keep only sentences sent_idx (bsz_new,) of the current batch.
+
+        order: (bsz_new*beam,) previous-step row of each new hypothesis; in bitwise mode
+        the per-hypothesis copies follow it (any beam of the sentence would do: they
+        are identical).
+        """
+        if self.merged:
+            self.k, self.v, self.pad = self._rows(sent_idx, 1)
+        else:
+            self.k, self.v, self.pad = self._rows(order, 1)
+
+    def attend(self, x: Tensor, need_attn: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """x: (n, C) queries, n = bsz*beam. Returns (n, C) output and optionally the
+        head-averaged attention (n, S)."""
+        a = self.attn
+        n, c = x.shape
+        q = a.q_proj(x)
+        q *= a.scaling
+        s = self.k.size(1)
+        if self.merged:
+            bsz = n // self.beam
+            q = q.view(bsz, self.beam, self.heads, self.head_dim).transpose(1, 2)
+            q = q.reshape(bsz * self.heads, self.beam, self.head_dim)
+            w = torch.bmm(q, self.k.transpose(1, 2))  # (bsz*H, beam, S)
+            if self.pad is not None:
+                w = w.view(bsz, self.heads, self.beam, s).masked_fill(
+                    self.pad.view(bsz, 1, 1, s), float("-inf")).view(-1, self.beam, s)
+            p = F.softmax(w, dim=-1, dtype=torch.float32)
+            out = torch.bmm(p.type_as(w), self.v)  # (bsz*H, beam, hd)
+            out = out.view(bsz, self.heads, self.beam, self.head_dim).transpose(1, 2)
+            out = a.out_proj(out.reshape(n, c))
+            attn = None
+            if need_attn:
+                attn = p.view(bsz, self.heads, self.beam, s).transpose(0, 1).reshape(
+                    self.heads, n, s).mean(dim=0)
+            return out, attn
+        q = q.view(n * self.heads, 1, self.head_dim)
+        w = torch.bmm(q, self.k.transpose(1, 2))  # (n*H, 1, S)
+        if self.pad is not None:
+            w = w.view(n, self.heads, 1, s).masked_fill(
+                self.pad.view(n, 1, 1, s), float("-inf")).view(n * self.heads, 1, s)
+        p = F.softmax(w, dim=-1, dtype=torch.float32)
+        out = torch.bmm(p.type_as(w), self.v).view(n, c)
+        out = a.out_proj(out)
+        attn = None
+        if need_attn:
+            attn = p.view(n, self.heads, 1, s).transpose(1, 0).mean(dim=0)[:, -1, :]
+        return out, attn

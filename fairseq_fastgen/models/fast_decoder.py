@@ -1,0 +1,260 @@
+"""A lean incremental step over an already-built fairseq ``TransformerDecoder``.
+
+Nothing is converted or copied: the step reads the decoder's own modules and weights
+(embeddings, positions, layer norms, ``MultiheadAttention`` projections, FFN), so the
+model stays usable by stock code afterwards.  What changes is the state kept between
+steps:
+
+* self-attention keys/values live in :class:`~fairseq_fastgen.models.kv_cache.KVCache`
+  (preallocated, written and reordered in place);
+* encoder-decoder keys/values live in
+  :class:`~fairseq_fastgen.models.cached_attention.CrossAttentionCache` (projected once
+  per sentence, shared by the beam);
+* the attention-weight average over heads is computed only when asked for.
+
+Every arithmetic operation mirrors fairseq's eval-mode incremental path
+(``TransformerDecoderBase.extract_features_scriptable`` ->
+``TransformerDecoderLayerBase.forward`` -> ``MultiheadAttention.forward``), in the same
+order and with the same GEMM shapes in bitwise mode.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.models.transformer import TransformerDecoderBase
+from fairseq.modules import MultiheadAttention
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+from .cached_attention import CrossAttentionCache
+from .kv_cache import KVCache
+
+
+def unsupported_reason(model) -> Optional[str]:
+    """Why ``model``'s decoder cannot be driven by :class:`FastDecoder` (None if it can)."""
+    dec = getattr(model, "decoder", None)
+    if not isinstance(dec, TransformerDecoderBase):
+        return f"decoder {type(dec).__name__} is not a fairseq TransformerDecoder"
+    for name in ("forward", "extract_features", "extract_features_scriptable", "output_layer"):
+        if getattr(type(dec), name) is not getattr(TransformerDecoderBase, name):
+            return f"{type(dec).__name__} overrides {name}"
+    if dec.adaptive_softmax is not None:
+        return "adaptive softmax"
+    if dec.quant_noise is not None:
+        return "quant-noise embedding projection"
+    if dec.cross_self_attention:
+        return "cross-self-attention"
+    if dec.dropout_module.apply_during_inference:
+        return "dropout applied during inference"
+    for layer in dec.layers:
+        reason = _layer_unsupported(layer)
+        if reason:
+            return reason
+    return None
+
+
+def _layer_unsupported(layer) -> Optional[str]:
+    if not isinstance(layer, TransformerDecoderLayerBase) or (
+        type(layer).forward is not TransformerDecoderLayerBase.forward
+    ):
+        return f"decoder layer {type(layer).__name__} has its own forward"
+    for extra in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"):
+        if getattr(layer, extra, None) is not None:
+            return f"decoder layer option {extra} (NormFormer-style scaling)"
+    if layer.cross_self_attention:
+        return "cross-self-attention"
+    if layer.dropout_module.apply_during_inference or (
+        layer.activation_dropout_module.apply_during_inference
+    ):
+        return "dropout applied during inference"
+    for attn in (layer.self_attn, layer.encoder_attn):
+        if attn is None:
+            continue
+        if type(attn).forward is not MultiheadAttention.forward:
+            return f"attention module {type(attn).__name__} has its own forward"
+        if attn.bias_k is not None or attn.add_zero_attn or getattr(attn, "use_xformers", False):
+            return "attention with bias_k/add_zero_attn/xformers"
+        if attn.skip_embed_dim_check or attn.head_dim * attn.num_heads != attn.embed_dim:
+            return "pruned attention heads"
+        if attn.dropout_module.apply_during_inference:
+            return "dropout applied during inference"
+    return None
+
+
+class _Layer:
+    """Per-layer weights gathered once (views of the model's own parameters)."""
+
+    def __init__(self, layer: TransformerDecoderLayerBase, fuse_qkv: bool):
+        sa = layer.self_attn
+        self.layer = layer
+        self.heads = sa.num_heads
+        self.head_dim = sa.head_dim
+        self.dim = sa.embed_dim
+        self.scaling = sa.scaling
+        self.fused_w = self.fused_b = None
+        if fuse_qkv and all(p.bias is not None for p in (sa.q_proj, sa.k_proj, sa.v_proj)):
+            self.fused_w = torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight])
+            self.fused_b = torch.cat([sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias])
+
+
+class FastDecoder:
+    """Incremental decoding of one fairseq transformer model, many hypotheses at once.
+
+    Usage per batch: ``start(encoder_out, bsz, beam, max_len)``, then per step
+    ``step(tokens)`` and ``reorder(order)``.
+    """
+
+    def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
+                 bitwise: bool = False):
+        self.model = model
+        self.decoder: TransformerDecoderBase = model.decoder
+        self.shared_encoder = shared_encoder
+        self.kv_cache = kv_cache
+        self.bitwise = bitwise
+        # Fusing q/k/v into one GEMM changes the GEMM's N dimension only; kept out of
+        # bitwise mode since BLAS may block the reduction differently for another N.
+        self.layers = [_Layer(l, fuse_qkv=not bitwise) for l in self.decoder.layers]
+        self._positions: Optional[Tensor] = None
+        self.self_kv: List[KVCache] = []
+        self.cross: List[Optional[CrossAttentionCache]] = []
+        self.step_idx = 0
+
+    # ---- per batch ----------------------------------------------------------------
+
+    def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int) -> None:
+        """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated)."""
+        self.step_idx = 0
+        enc = pad = None
+        if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
+            enc = encoder_out["encoder_out"][0]
+            if len(encoder_out["encoder_padding_mask"]) > 0:
+                pad = encoder_out["encoder_padding_mask"][0]
+        n = bsz * beam
+        dev, dtype = self._device_dtype()
+        self.self_kv = [
+            KVCache(n, l.dim, max_len + 1, dev, dtype, preallocate=self.kv_cache)
+            for l in self.layers
+        ]
+        self.cross = []
+        for l in self.layers:
+            ea = l.layer.encoder_attn
+            if ea is None or enc is None:
+                self.cross.append(None)
+            else:
+                self.cross.append(CrossAttentionCache(
+                    ea, enc, pad, beam, shared=self.shared_encoder, bitwise=self.bitwise))
+
+    def reorder(self, order: Tensor) -> None:
+        """order: (n_new,) int64 row of the previous step each new hypothesis continues."""
+        for cache in self.self_kv:
+            cache.reorder(order)
+
+    def select_sentences(self, sent_idx: Tensor, order: Tensor) -> None:
+        """Drop finished sentences: sent_idx (bsz_new,) kept sentences; order as reorder()."""
+        for cross in self.cross:
+            if cross is not None:
+                cross.select(sent_idx, order)
+
+    # ---- per step -----------------------------------------------------------------
+
+    def step(self, tokens: Tensor, need_attn: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """One decoder step.
+
+        tokens: (n, step+1) int64, the hypotheses so far (only the last column is read)
+        returns logits (n, 1, V) and, if need_attn, head-averaged cross-attention (n, S)
+        """
+        dec = self.decoder
+        t = self.step_idx
+        last = tokens[:, -1:]
+        x = dec.embed_scale * dec.embed_tokens(last)
+        if dec.project_in_dim is not None:
+            x = dec.project_in_dim(x)
+        if dec.embed_positions is not None:
+            x += self._position(t, tokens)
+        if dec.layernorm_embedding is not None:
+            x = dec.layernorm_embedding(x)
+        x = x.view(-1, x.size(-1))  # (n, C): one query per hypothesis
+        attn = None
+        last_layer = len(self.layers) - 1
+        for i, l in enumerate(self.layers):
+            x, a = self._layer(l, i, x, need_attn and i == last_layer)
+            if a is not None:
+                attn = a
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        logits = dec.output_projection(x.unsqueeze(1))
+        self.step_idx += 1
+        return logits, attn
+
+    def _layer(self, l: _Layer, i: int, x: Tensor, need_attn: bool):
+        layer = l.layer
+        residual = x
+        if layer.normalize_before:
+            x = layer.self_attn_layer_norm(x)
+        x = self._self_attention(l, self.self_kv[i], x)
+        x = layer.residual_connection(x, residual)
+        if not layer.normalize_before:
+            x = layer.self_attn_layer_norm(x)
+        attn = None
+        cross = self.cross[i]
+        if cross is not None:
+            residual = x
+            if layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+            x, attn = cross.attend(x, need_attn)
+            x = layer.residual_connection(x, residual)
+            if not layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+        residual = x
+        if layer.normalize_before:
+            x = layer.final_layer_norm(x)
+        x = layer.activation_fn(layer.fc1(x))
+        x = layer.fc2(x)
+        x = layer.residual_connection(x, residual)
+        if not layer.normalize_before:
+            x = layer.final_layer_norm(x)
+        return x, attn
+
+    def _self_attention(self, l: _Layer, cache: KVCache, x: Tensor) -> Tensor:
+        sa = l.layer.self_attn
+        n, c = x.shape
+        if l.fused_w is not None:
+            qkv = F.linear(x, l.fused_w, l.fused_b)
+            q, k, v = qkv[:, :c], qkv[:, c:2 * c], qkv[:, 2 * c:]
+            q = q * l.scaling
+        else:
+            q = sa.q_proj(x)
+            k = sa.k_proj(x)
+            v = sa.v_proj(x)
+            q *= l.scaling
+        keys, values = cache.append(k, v)  # (t+1, n, C) views
+        t1 = keys.size(0)
+        bh = n * l.heads
+        q = q.reshape(bh, 1, l.head_dim)
+        keys = keys.view(t1, bh, l.head_dim).transpose(0, 1)
+        values = values.view(t1, bh, l.head_dim).transpose(0, 1)
+        w = torch.bmm(q, keys.transpose(1, 2))
+        p = F.softmax(w, dim=-1, dtype=torch.float32).type_as(w)
+        out = torch.bmm(p, values).view(n, c)
+        return sa.out_proj(out)
+
+    # ---- helpers --------------------------------------------------------------------
+
+    def _position(self, t: int, tokens: Tensor) -> Tensor:
+        """Position embedding of step t, (1, 1, C); looked up once and cached."""
+        table = self._positions
+        if table is None or table.size(0) <= t or table.device != tokens.device:
+            n = max(t + 1, 2 * (0 if table is None else table.size(0)), 64)
+            rows = []
+            for s in range(n):
+                dummy = tokens.new_zeros(1, s + 1)
+                rows.append(self.decoder.embed_positions(dummy, incremental_state={})[:, -1:])
+            table = self._positions = torch.cat(rows, 0)  # (n, 1, C)
+        return table[t:t + 1]
+
+    def _device_dtype(self):
+        w = self.decoder.output_projection.weight
+        return w.device, w.dtype

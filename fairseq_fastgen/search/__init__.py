@@ -1,0 +1,1 @@
+"""fairseq-fastgen search (imported by fairseq's --user-dir loader; no side effects)."""

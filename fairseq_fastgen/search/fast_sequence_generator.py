@@ -1,0 +1,295 @@
+"""FastSequenceGenerator: a drop-in for fairseq's ``SequenceGenerator``.
+
+Same constructor arguments and the same ``generate()`` result; beam search over fairseq
+transformer models runs on :class:`~fairseq_fastgen.models.fast_decoder.FastDecoder`
+(beam-shared encoder states, in-place KV cache, attention weights only when needed), and
+the step bookkeeping skips work nobody reads.  Anything the fast path does not cover
+(sampling, diverse/constrained search, LM fusion, non-transformer decoders, ...) runs
+fairseq's own loop, after one log line saying why.
+"""
+import logging
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from fairseq import search
+from fairseq.sequence_generator import SequenceGenerator, SequenceGeneratorWithAlignment
+
+from ..config import FastGenConfig, active
+from ..models.fast_decoder import FastDecoder, unsupported_reason
+from .ngram_blocker import build_blocker
+
+logger = logging.getLogger(__name__)
+_logged = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.info(msg)
+
+
+class FastSequenceGenerator(SequenceGenerator):
+    """fairseq ``SequenceGenerator`` with the fastgen fast path.
+
+    Extra keyword arguments: ``fastgen`` (a :class:`FastGenConfig`, default: the active
+    one) and ``need_attn`` (keep per-hypothesis attention, default: only if the config
+    says so).
+    """
+
+    def __init__(self, models, tgt_dict, *args, fastgen: Optional[FastGenConfig] = None,
+                 need_attn: bool = False, **kwargs):
+        no_repeat = kwargs.get("no_repeat_ngram_size", 0)
+        super().__init__(models, tgt_dict, *args, **kwargs)
+        self.fastgen = fastgen if fastgen is not None else active()
+        self.need_attn = need_attn or self.fastgen.attention
+        if no_repeat > 0 and self.fastgen.enabled:
+            self.repeat_ngram_blocker = build_blocker(no_repeat, self.fastgen.ngram_blocker)
+        self._fast_decoders: Optional[List[FastDecoder]] = None
+        self._fallback_reason = self._static_fallback_reason()
+
+    # ---- choosing the path --------------------------------------------------------
+
+    def _static_fallback_reason(self) -> Optional[str]:
+        cfg = self.fastgen
+        if not cfg.enabled:
+            return "fastgen disabled"
+        if not cfg.fast_decoder:
+            return "fast decoder switched off (--fastgen-no-fast-decoder)"
+        if type(self.search) is not search.BeamSearch:
+            return f"search strategy {type(self.search).__name__}"
+        if self.lm_model is not None:
+            return "LM fusion (--lm-path)"
+        if not self.model.has_incremental_states():
+            return "non-incremental decoder"
+        for m in self.model.models:
+            reason = unsupported_reason(m)
+            if reason is not None:
+                return reason
+        return None
+
+    def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens=None,
+                  constraints=None, bos_token=None):
+        reason = self._fallback_reason
+        if reason is None and constraints is not None:
+            reason = "lexical constraints"
+        if reason is None and "src_tokens" not in sample["net_input"]:
+            reason = "non-text source"
+        if reason is not None:
+            if self.fastgen.log_fallbacks:
+                _log_once(f"fairseq-fastgen: stock generator loop ({reason})")
+            return super()._generate(sample, prefix_tokens, constraints, bos_token)
+        # no_grad, not inference_mode: callers (fairseq_cli.generate) update the returned
+        # score tensors in place, which inference tensors forbid.
+        with torch.no_grad():
+            return self._fast_generate(sample, prefix_tokens, bos_token)
+
+    def _decoders(self) -> List[FastDecoder]:
+        if self._fast_decoders is None:
+            cfg = self.fastgen
+            self._fast_decoders = [
+                FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
+                            bitwise=cfg.bitwise)
+                for m in self.model.models
+            ]
+        return self._fast_decoders
+
+    # ---- the fast loop ----------------------------------------------------------------
+
+    def _fast_generate(self, sample, prefix_tokens: Optional[Tensor], bos_token: Optional[int]):
+        """Beam search; each statement mirrors fairseq's ``_generate`` so that choices,
+        ties and finalization order are the same."""
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        if "src_lengths" in net_input:
+            src_lengths = net_input["src_lengths"]
+        else:
+            src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
+        bsz, src_len = src_tokens.size()[:2]
+        beam_size = self.beam_size
+        self.search.init_constraints(None, beam_size)
+
+        if self.match_source_len:
+            max_len = src_lengths.max().item()
+        else:
+            max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+
+        decoders = self._decoders()
+        encoder_outs = self.model.forward_encoder(net_input)
+        for i, d in enumerate(decoders):
+            d.start(encoder_outs[i] if encoder_outs is not None else None, bsz, beam_size, max_len)
+        del encoder_outs
+
+        n = bsz * beam_size
+        scores = torch.zeros(n, max_len + 1, device=src_tokens.device, dtype=torch.float)
+        tokens = torch.full((n, max_len + 2), self.pad, device=src_tokens.device, dtype=torch.long)
+        tokens[:, 0] = self.eos if bos_token is None else bos_token
+        attn: Optional[Tensor] = None
+        need_attn = self.need_attn
+
+        cands_to_ignore = torch.zeros(bsz, beam_size, device=src_tokens.device, dtype=torch.bool)
+        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
+        finished = [False for _ in range(bsz)]
+        num_remaining_sent = bsz
+        cand_size = 2 * beam_size
+        bbsz_offsets = (torch.arange(0, bsz) * beam_size).unsqueeze(1).type_as(tokens).to(src_tokens.device)
+        cand_offsets = torch.arange(0, cand_size).type_as(tokens).to(src_tokens.device)
+
+        reorder_state: Optional[Tensor] = None
+        batch_idxs: Optional[Tensor] = None
+        if "id" in sample and isinstance(sample["id"], Tensor):
+            original_batch_idxs = sample["id"]
+        else:
+            original_batch_idxs = torch.arange(0, bsz).type_as(tokens)
+
+        for step in range(max_len + 1):
+            if reorder_state is not None:
+                if batch_idxs is not None:
+                    corr = batch_idxs - torch.arange(batch_idxs.numel()).type_as(batch_idxs)
+                    reorder_state.view(-1, beam_size).add_(corr.unsqueeze(-1) * beam_size)
+                    original_batch_idxs = original_batch_idxs[batch_idxs]
+                    for d in decoders:
+                        d.select_sentences(batch_idxs, reorder_state)
+                for d in decoders:
+                    d.reorder(reorder_state)
+
+            lprobs, avg_attn_scores = self._forward_decoders(decoders, tokens[:, : step + 1], need_attn)
+
+            lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
+            lprobs[:, self.pad] = -math.inf
+            lprobs[:, self.unk] -= self.unk_penalty
+            if step >= max_len:
+                lprobs[:, : self.eos] = -math.inf
+                lprobs[:, self.eos + 1:] = -math.inf
+
+            if prefix_tokens is not None and step < prefix_tokens.size(1) and step < max_len:
+                lprobs, tokens, scores = self._prefix_tokens(
+                    step, lprobs, scores, tokens, prefix_tokens, beam_size)
+            else:
+                if step < self.min_len:
+                    lprobs[:, self.eos] = -math.inf
+                if self.token_indices_to_suppress is not None:
+                    lprobs[:, self.token_indices_to_suppress] = -math.inf
+
+            if avg_attn_scores is not None:
+                if attn is None:
+                    attn = torch.empty(n, avg_attn_scores.size(1), max_len + 2).to(scores)
+                attn[:, :, step + 1].copy_(avg_attn_scores)
+
+            scores = scores.type_as(lprobs)
+            if self.repeat_ngram_blocker is not None:
+                lprobs = self.repeat_ngram_blocker(tokens, lprobs, bsz, beam_size, step)
+
+            cand_scores, cand_indices, cand_beams = self.search.step(
+                step,
+                lprobs.view(bsz, -1, self.vocab_size),
+                scores.view(bsz, beam_size, -1)[:, :, :step],
+                tokens[:, : step + 1],
+                original_batch_idxs,
+            )
+            cand_bbsz_idx = cand_beams.add(bbsz_offsets)
+            eos_mask = cand_indices.eq(self.eos) & cand_scores.ne(-math.inf)
+            eos_mask[:, :beam_size][cands_to_ignore] = False
+            eos_bbsz_idx = torch.masked_select(cand_bbsz_idx[:, :beam_size], mask=eos_mask[:, :beam_size])
+
+            finalized_sents: List[int] = []
+            if eos_bbsz_idx.numel() > 0:
+                eos_scores = torch.masked_select(cand_scores[:, :beam_size], mask=eos_mask[:, :beam_size])
+                finalized_sents = self.finalize_hypos(
+                    step, eos_bbsz_idx, eos_scores, tokens, scores, finalized, finished,
+                    beam_size, attn, src_lengths, max_len)
+                num_remaining_sent -= len(finalized_sents)
+
+            assert num_remaining_sent >= 0
+            if num_remaining_sent == 0:
+                break
+            if self.search.stop_on_max_len and step >= max_len:
+                break
+            assert step < max_len, f"{step} < {max_len}"
+
+            if len(finalized_sents) > 0:
+                new_bsz = bsz - len(finalized_sents)
+                batch_mask = torch.ones(bsz, dtype=torch.bool, device=cand_indices.device)
+                batch_mask[finalized_sents] = False
+                batch_idxs = torch.arange(bsz, device=cand_indices.device).masked_select(batch_mask)
+                self.search.prune_sentences(batch_idxs)
+                eos_mask = eos_mask[batch_idxs]
+                cand_beams = cand_beams[batch_idxs]
+                bbsz_offsets.resize_(new_bsz, 1)
+                cand_bbsz_idx = cand_beams.add(bbsz_offsets)
+                cand_scores = cand_scores[batch_idxs]
+                cand_indices = cand_indices[batch_idxs]
+                if prefix_tokens is not None:
+                    prefix_tokens = prefix_tokens[batch_idxs]
+                src_lengths = src_lengths[batch_idxs]
+                cands_to_ignore = cands_to_ignore[batch_idxs]
+                scores = scores.view(bsz, -1)[batch_idxs].view(new_bsz * beam_size, -1)
+                tokens = tokens.view(bsz, -1)[batch_idxs].view(new_bsz * beam_size, -1)
+                if attn is not None:
+                    attn = attn.view(bsz, -1)[batch_idxs].view(new_bsz * beam_size, attn.size(1), -1)
+                bsz = new_bsz
+                n = bsz * beam_size
+            else:
+                batch_idxs = None
+
+            eos_mask[:, :beam_size] = ~((~cands_to_ignore) & (~eos_mask[:, :beam_size]))
+            active_mask = torch.add(eos_mask.type_as(cand_offsets) * cand_size,
+                                    cand_offsets[: eos_mask.size(1)])
+            new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam_size, dim=1, largest=False)
+            cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam_size]
+            assert (~cands_to_ignore).any(dim=1).all()
+
+            active_bbsz_idx = torch.gather(cand_bbsz_idx, dim=1, index=active_hypos).view(-1)
+            tokens[:, : step + 1] = torch.index_select(tokens[:, : step + 1], dim=0, index=active_bbsz_idx)
+            tokens.view(bsz, beam_size, -1)[:, :, step + 1] = torch.gather(cand_indices, dim=1, index=active_hypos)
+            if step > 0:
+                scores[:, :step] = torch.index_select(scores[:, :step], dim=0, index=active_bbsz_idx)
+            scores.view(bsz, beam_size, -1)[:, :, step] = torch.gather(cand_scores, dim=1, index=active_hypos)
+            self.search.update_constraints(active_hypos)
+            if attn is not None:
+                attn[:, :, : step + 2] = torch.index_select(attn[:, :, : step + 2], dim=0, index=active_bbsz_idx)
+            reorder_state = active_bbsz_idx
+
+        for sent in range(len(finalized)):
+            sent_scores = torch.tensor([float(elem["score"].item()) for elem in finalized[sent]])
+            _, order = torch.sort(sent_scores, descending=True)
+            finalized[sent] = [finalized[sent][ssi] for ssi in order]
+        return finalized
+
+    def _forward_decoders(self, decoders: List[FastDecoder], tokens: Tensor, need_attn: bool):
+        """Ensemble step, combined exactly as fairseq's ``EnsembleModel.forward_decoder``.
+
+        tokens: (n, step+1) int64. Returns lprobs (n, V) float32 and attention (n, S) or None.
+        """
+        log_probs = []
+        avg_attn: Optional[Tensor] = None
+        for d in decoders:
+            logits, attn = d.step(tokens, need_attn)
+            if self.temperature != 1.0:
+                logits = logits.div_(self.temperature)
+            probs = d.model.get_normalized_probs((logits, None), log_probs=True, sample=None)
+            probs = probs[:, -1, :]
+            if len(decoders) == 1:
+                return probs, attn
+            log_probs.append(probs)
+            if attn is not None:
+                avg_attn = attn if avg_attn is None else avg_attn.add_(attn)
+        avg_probs = torch.logsumexp(torch.stack(log_probs, dim=0), dim=0) - math.log(len(decoders))
+        if avg_attn is not None:
+            avg_attn.div_(len(decoders))
+        return avg_probs, avg_attn
+
+
+class FastSequenceGeneratorWithAlignment(SequenceGeneratorWithAlignment, FastSequenceGenerator):
+    """``--print-alignment``: fairseq's alignment extraction over the fast beam search."""
+
+    def __init__(self, models, tgt_dict, left_pad_target=False, print_alignment="hard",
+                 fastgen: Optional[FastGenConfig] = None, **kwargs):
+        # SequenceGeneratorWithAlignment.__init__ forwards **kwargs to the next __init__ in
+        # the MRO, FastSequenceGenerator's, which then keeps the attention weights.
+        super().__init__(models, tgt_dict, left_pad_target=left_pad_target,
+                         print_alignment=print_alignment, fastgen=fastgen, need_attn=True,
+                         **kwargs)

@@ -1,0 +1,1 @@
+"""fairseq-fastgen tasks (imported by fairseq's --user-dir loader; no side effects)."""
