@@ -68,12 +68,14 @@ def guarded_loader(original: Callable, trust: Callable[[], bool]) -> Callable:
                 "with --fastgen-trust-checkpoint (Python: fairseq_fastgen.configure("
                 "trust_checkpoint=True))."
             ) from e
-        except (RuntimeError, EOFError, ValueError, KeyError) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            if _is_format_error(e):
-                raise CheckpointError(f"{path} is not a fairseq checkpoint ({_first_line(e)})") from e
+        except CheckpointError:
             raise
+        except (RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
+                AttributeError, AssertionError) as e:
+            # torch's unpickler and fairseq's state upgrade fail in many ways on a file
+            # that is not a checkpoint; none of them is worth more than this message.
+            raise CheckpointError(f"{path} is not a fairseq checkpoint "
+                                  f"({type(e).__name__}: {_first_line(e)})") from e
         if not isinstance(state, dict) or "model" not in state:
             raise CheckpointError(
                 f"{path} is a torch file but not a fairseq checkpoint (no 'model' entry)"
@@ -103,15 +105,6 @@ def _loading_context(trust: bool):
             yield
     else:  # torch < 2.5 loads with weights_only=False by default: nothing to allow
         yield
-
-
-def _is_format_error(e: Exception) -> bool:
-    text = str(e)
-    return any(
-        s in text
-        for s in ("PytorchStreamReader", "invalid load key", "failed finding central directory",
-                  "Weights only load failed", "magic number", "unpickl")
-    ) or isinstance(e, EOFError)
 
 
 def _first_line(e: Exception) -> str:

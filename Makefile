@@ -1,0 +1,31 @@
+# Two commands a new user needs:  make demo   and   make test
+# Both create/reuse the virtualenv $(VENV) with stack A (Python 3.11, torch 2.13.0 CPU,
+# fairseq-fixed 0.12.3.1).  fairseq-fixed builds from source once (~9 min); pip keeps the
+# built wheel in its cache (~/.cache/pip), so later installs take seconds.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fastgen-installed
+
+.PHONY: demo test install clean-venv bench
+
+$(STAMP): setup.py requirements-a.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-a.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/generate_speed.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,317 @@
+"""Stock fairseq vs fairseq-fastgen, side by side: lossless check and speed ratio.
+
+Runs the same ``fairseq-generate`` (or ``fairseq-interactive``) command twice, once as
+stock fairseq and once with ``--user-dir fairseq_fastgen``, interleaving ``repeats`` runs
+of each, and reports
+
+* ``identical``: the two outputs are byte-identical;
+* ``lossless``: as DEVELOPERS.md defines it: every S/T/H/D/A text and token sequence and
+  the BLEU line identical, H/D scores within 1e-4 and P positional scores within 1e-4
+  (2e-4 on the printed 4-decimal values); differing hypotheses are rescored with the stock
+  model and reported as near-ties when the two scores agree within 1e-4;
+* wall time of the whole process (min over repeats), fairseq's own generation time, and
+  the ratios stock/plugin.
+
+CLI::
+
+    python -m fairseq_fastgen.compare [--repeats 3] [--plugin-args "..."] -- DATA --path M ...
+"""
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+PLUGIN_DIR = str(Path(__file__).resolve().parent)
+SCORE_TOL = 1e-4
+PRINTED_TOL = 2e-4  # P lines print 4 decimals: 1e-4 agreement plus rounding of each side
+_LINE = re.compile(r"^([STHDPAIE])-(\d+)\t(.*)$")
+_TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
+
+
+@dataclass
+class Run:
+    stdout: str
+    stderr: str
+    wall: float
+    gen_time: Optional[float]
+    sentences: Optional[int]
+    tokens: Optional[int]
+    returncode: int
+
+
+@dataclass
+class Comparison:
+    identical: bool
+    lossless: bool
+    differences: List[str] = field(default_factory=list)
+    near_ties: List[str] = field(default_factory=list)
+    max_score_diff: float = 0.0
+    lines_compared: int = 0
+
+    def summary(self) -> str:
+        s = (f"identical: {'yes' if self.identical else 'no'}; "
+             f"lossless: {'yes' if self.lossless else 'no'} "
+             f"({self.lines_compared} lines, max score diff {self.max_score_diff:.2e}")
+        if self.near_ties:
+            s += f", {len(self.near_ties)} near-tie hypotheses"
+        return s + ")"
+
+
+def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] = (),
+                 entry: str = "fairseq-generate", stdin: Optional[str] = None,
+                 env: Optional[Dict[str, str]] = None, threads: Optional[int] = None) -> Run:
+    """Run one fairseq CLI process; stock runs get the torch>=2.6 loading workaround."""
+    exe = str(Path(sys.executable).parent / entry)
+    cmd = [exe, *args]
+    e = dict(os.environ)
+    e.update(env or {})
+    e.setdefault("PYTHONWARNINGS", "ignore")
+    if threads:
+        e["OMP_NUM_THREADS"] = e["MKL_NUM_THREADS"] = str(threads)
+    if plugin:
+        cmd += ["--user-dir", PLUGIN_DIR, *plugin_args]
+        e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    else:
+        e["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=e, input=stdin)
+    wall = time.perf_counter() - t0
+    m = _TRANSLATED.search(p.stderr)
+    return Run(p.stdout, p.stderr, wall,
+               float(m.group(3)) if m else None,
+               int(m.group(1).replace(",", "")) if m else None,
+               int(m.group(2).replace(",", "")) if m else None,
+               p.returncode)
+
+
+def parse_output(text: str) -> Tuple[Dict[Tuple[str, int], List[str]], List[str]]:
+    """{(kind, id): [payload lines in order]} and the other (summary) lines."""
+    recs: Dict[Tuple[str, int], List[str]] = {}
+    other = []
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            recs.setdefault((m.group(1), int(m.group(2))), []).append(m.group(3))
+        elif line.strip():
+            other.append(line)
+    return recs, other
+
+
+def compare_outputs(stock: str, plugin: str, rescore=None) -> Comparison:
+    """Compare two fairseq-generate outputs (see module docstring).
+
+    rescore: optional callable (sentence_id, stock_hypo_text, plugin_hypo_text) ->
+    (stock_score, plugin_score) under the stock model, used for differing hypotheses.
+    """
+    c = Comparison(identical=stock == plugin, lossless=True)
+    a, a_other = parse_output(stock)
+    b, b_other = parse_output(plugin)
+    if a_other != b_other:
+        for x, y in zip(a_other + [""] * len(b_other), b_other + [""] * len(a_other)):
+            if x != y:
+                c.differences.append(f"summary line: {x!r} != {y!r}")
+                break
+        c.lossless = False
+    if set(a) != set(b):
+        missing = sorted(set(a) ^ set(b))[:5]
+        c.differences.append(f"lines present in only one output: {missing}")
+        c.lossless = False
+    diff_hypos = set()
+    for key in sorted(set(a) & set(b)):
+        kind, sid = key
+        for la, lb in zip(a[key], b[key]):
+            c.lines_compared += 1
+            if la == lb:
+                continue
+            ok, d = _close(kind, la, lb)
+            c.max_score_diff = max(c.max_score_diff, d)
+            if not ok:
+                if kind in ("H", "D", "P", "A"):
+                    diff_hypos.add(sid)
+                c.differences.append(f"{kind}-{sid}: {la[:120]!r} != {lb[:120]!r}")
+        if len(a[key]) != len(b[key]):
+            c.differences.append(f"{kind}-{sid}: {len(a[key])} vs {len(b[key])} lines")
+            c.lossless = False
+    for sid in sorted(diff_hypos):
+        tie = False
+        if rescore is not None:
+            ha = a[("D", sid)][0].split("\t", 1)[1] if ("D", sid) in a else a[("H", sid)][0].split("\t", 1)[1]
+            hb = b[("D", sid)][0].split("\t", 1)[1] if ("D", sid) in b else b[("H", sid)][0].split("\t", 1)[1]
+            sa, sb = rescore(sid, ha, hb)
+            tie = abs(sa - sb) <= SCORE_TOL
+            if tie:
+                c.near_ties.append(f"sentence {sid}: stock {sa:.6f} vs plugin {sb:.6f}")
+        if not tie:
+            c.lossless = False
+    if any(not d.startswith(("H-", "D-", "P-", "A-")) for d in c.differences):
+        c.lossless = False
+    return c
+
+
+def _close(kind: str, la: str, lb: str) -> Tuple[bool, float]:
+    """Whether two differing lines are still lossless-equal, and the score gap."""
+    if kind in ("H", "D"):
+        sa, ta = la.split("\t", 1) if "\t" in la else (la, "")
+        sb, tb = lb.split("\t", 1) if "\t" in lb else (lb, "")
+        if ta != tb:
+            return False, 0.0
+        d = _fdiff(sa, sb)
+        return d <= SCORE_TOL, d
+    if kind == "P":
+        xa, xb = la.split(), lb.split()
+        if len(xa) != len(xb):
+            return False, math.inf
+        d = max((_fdiff(x, y) for x, y in zip(xa, xb)), default=0.0)
+        return d <= PRINTED_TOL, d
+    return False, 0.0
+
+
+def _fdiff(x: str, y: str) -> float:
+    fx, fy = float(x), float(y)
+    if fx == fy:  # equal infinities included
+        return 0.0
+    return abs(fx - fy)
+
+
+def model_rescorer(data: str, path: str, extra: Sequence[str] = ()):
+    """A rescore callable: sentence score of a hypothesis text under the stock model.
+
+    The hypothesis text is the D line (detokenized) or H line; it is encoded back with the
+    task's tokenizer/BPE through fairseq's hub interface, then scored as fairseq's
+    SequenceScorer does (mean log-probability including EOS).
+    """
+    import torch
+    from fairseq import checkpoint_utils, options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.hub_utils import GeneratorHubInterface
+
+    parser = options.get_generation_parser()
+    args = options.parse_args_and_arch(parser, [data, "--path", path, *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    models, _ = checkpoint_utils.load_model_ensemble(path.split(":"), task=task)
+    hub = GeneratorHubInterface(cfg, task, models)
+    dataset = task.dataset(cfg.dataset.gen_subset)
+
+    def rescore(sid: int, hyp_a: str, hyp_b: str) -> Tuple[float, float]:
+        src = dataset[sid]["source"]
+        out = []
+        for hyp in (hyp_a, hyp_b):
+            tgt = hub.encode(hyp)
+            with torch.no_grad():
+                scores = []
+                for m in hub.models:
+                    m.eval()
+                    prev = torch.cat([tgt[-1:], tgt[:-1]]).unsqueeze(0)
+                    logits, _ = m(src.unsqueeze(0), torch.tensor([src.numel()]), prev)
+                    lp = m.get_normalized_probs((logits, None), log_probs=True)[0]
+                    scores.append(lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
+                pos = torch.stack(scores).mean(0)
+            out.append(float(pos.sum() / pos.numel()))
+        return out[0], out[1]
+
+    return rescore
+
+
+@dataclass
+class SideBySide:
+    comparison: Comparison
+    stock: List[Run]
+    plugin: List[Run]
+
+    def best(self, runs: List[Run]) -> Run:
+        return min(runs, key=lambda r: r.wall)
+
+    def ratios(self) -> Dict[str, float]:
+        s, p = self.best(self.stock), self.best(self.plugin)
+        out = {"stock_wall_s": s.wall, "plugin_wall_s": p.wall, "wall_ratio": s.wall / p.wall}
+        sg = min((r.gen_time for r in self.stock if r.gen_time), default=None)
+        pg = min((r.gen_time for r in self.plugin if r.gen_time), default=None)
+        if sg and pg:
+            out.update(stock_gen_s=sg, plugin_gen_s=pg, gen_ratio=sg / pg)
+            if s.sentences:
+                out.update(stock_sent_per_s=s.sentences / sg, plugin_sent_per_s=p.sentences / pg)
+        return out
+
+
+def side_by_side(args: Sequence[str], plugin_args: Sequence[str] = (), repeats: int = 1,
+                 entry: str = "fairseq-generate", stdin: Optional[str] = None,
+                 threads: Optional[int] = None, rescore=None) -> SideBySide:
+    """Interleave ``repeats`` stock and plugin runs of one command; compare the outputs."""
+    stock, plugin = [], []
+    for i in range(repeats):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for is_plugin in order:
+            r = run_generate(args, is_plugin, plugin_args, entry, stdin, threads=threads)
+            if r.returncode != 0:
+                who = "plugin" if is_plugin else "stock"
+                raise RuntimeError(f"{who} {entry} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+            (plugin if is_plugin else stock).append(r)
+    comp = compare_outputs(stock[0].stdout, plugin[0].stdout, rescore)
+    return SideBySide(comp, stock, plugin)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m fairseq_fastgen.compare [options] -- FAIRSEQ_GENERATE_ARGS...",
+              file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m fairseq_fastgen.compare", description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--plugin-args", default="", help="extra flags for the plugin run only")
+    p.add_argument("--entry", default="fairseq-generate")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--no-rescore", action="store_true", help="do not rescore differing hypotheses")
+    opts = p.parse_args(argv[:cut])
+    gen_args = argv[cut + 1:]
+    rescore = None
+    if not opts.no_rescore and "--path" in gen_args and gen_args:
+        data, path = gen_args[0], gen_args[gen_args.index("--path") + 1]
+        rescore = _lazy_rescorer(data, path, gen_args)
+    res = side_by_side(gen_args, opts.plugin_args.split(), opts.repeats, opts.entry,
+                       threads=opts.threads, rescore=rescore)
+    c = res.comparison
+    print(c.summary())
+    for d in c.differences[:10]:
+        print("  diff:", d)
+    for t in c.near_ties[:10]:
+        print("  near-tie:", t)
+    r = res.ratios()
+    print("  " + ", ".join(f"{k}={v:.3f}" for k, v in r.items()))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"lossless": c.lossless, "identical": c.identical,
+                                               "differences": c.differences[:50],
+                                               "near_ties": c.near_ties, **r}, indent=2))
+    return 0 if c.lossless else 1
+
+
+def _lazy_rescorer(data, path, gen_args):
+    cache = {}
+
+    def rescore(sid, a, b):
+        if "f" not in cache:
+            keep = [x for x in gen_args[1:] if x not in ("--path", path)]
+            passthrough = []
+            for flag in ("--source-lang", "--target-lang", "--task", "--gen-subset", "--bpe",
+                         "--sentencepiece-model", "--tokenizer", "--post-process", "--remove-bpe"):
+                if flag in keep:
+                    i = keep.index(flag)
+                    passthrough += keep[i:i + 2]
+            cache["f"] = model_rescorer(data, path, passthrough)
+        return cache["f"](sid, a, b)
+
+    return rescore
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""fairseq-fastgen: faster, lossless sequence generation for existing fairseq checkpoints."""
+from pathlib import Path
+
+from setuptools import setup
+
+here = Path(__file__).parent
+
+setup(
+    name="fairseq-fastgen",
+    version="0.1.0",
+    description=__doc__,
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=[
+        "fairseq_fastgen",
+        "fairseq_fastgen.models",
+        "fairseq_fastgen.search",
+        "fairseq_fastgen.tasks",
+        "fairseq_fastgen.cuda",
+    ],
+    # Kernel sources live in the repo's top-level cuda/ and install as fairseq_fastgen/cuda/.
+    package_dir={"fairseq_fastgen.cuda": "cuda"},
+    package_data={"fairseq_fastgen.cuda": ["*.cu"]},
+    install_requires=[
+        # Stack A (Python >= 3.11): the maintained fork of fairseq main.
+        'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
+        'torch==2.13.0; python_version >= "3.11"',
+        # Stack B (Python 3.10): official fairseq 0.12.2.
+        'fairseq==0.12.2; python_version < "3.11"',
+        "hydra-core==1.3.2",
+        "omegaconf==2.3.0",
+        "sentencepiece",
+        "sacrebleu",
+        "sacremoses",
+        "tqdm",
+    ],
+    extras_require={
+        "cuda": ["cupy-cuda12x"],
+        "test": ["pytest", "hypothesis", "subword-nmt", "psutil"],
+    },
+    entry_points={
+        "console_scripts": [
+            "fastgen-user-dir = fairseq_fastgen.__main__:print_user_dir",
+            "fastgen-compare = fairseq_fastgen.compare:main",
+        ]
+    },
+)

@@ -1,0 +1,129 @@
+"""FastSequenceGenerator vs fairseq's SequenceGenerator, in the same process.
+
+Lossless mode: identical tokens, scores within 1e-4.  Bitwise mode: identical tensors.
+"""
+import pytest
+import torch
+
+from conftest import assert_same_hypos, batches, generators, load
+from fairseq_fastgen.config import FastGenConfig
+
+LOSSLESS = FastGenConfig()
+BITWISE = FastGenConfig(bitwise=True)
+
+
+def run_pair(task, models, cfg, fastgen, batch_size, gen, limit=None, prefix_size=0, **kw):
+    stock, fast = generators(task, models, fastgen, **gen)
+    n = 0
+    for b in batches(task, cfg, batch_size, limit=limit):
+        prefix = b["target"][:, :prefix_size] if prefix_size else None
+        torch.manual_seed(7)
+        s = stock.generate(models, b, prefix_tokens=prefix, **kw)
+        torch.manual_seed(7)
+        f = fast.generate(models, b, prefix_tokens=prefix, **kw)
+        assert_same_hypos(s, f, bitwise=fastgen.bitwise)
+        n += len(s)
+    assert n > 0
+    return n
+
+
+@pytest.mark.parametrize("which", ["postln", "preln", "bart"])
+@pytest.mark.parametrize("mode", [LOSSLESS, BITWISE], ids=["lossless", "bitwise"])
+@pytest.mark.parametrize("beam,batch", [(1, 7), (4, 1), (5, 64)])
+def test_beam_search_matches_stock(tiny, which, mode, beam, batch):
+    task, models, cfg = load(tiny.data, [getattr(tiny, which)])
+    run_pair(task, models, cfg, mode, batch, dict(beam=beam, max_len_b=40))
+
+
+@pytest.mark.parametrize("gen", [
+    dict(beam=5, nbest=5, lenpen=0.6, max_len_b=40),
+    dict(beam=5, lenpen=2.0, max_len_b=40),
+    dict(beam=5, min_len=12, max_len_b=40),
+    dict(beam=5, max_len_a=0.5, max_len_b=2),   # forces truncation
+    dict(beam=4, unkpen=1.5, max_len_b=30),
+    dict(beam=5, match_source_len=True),
+    dict(beam=5, max_len_b=40, temperature=0.7),
+    dict(beam=3, max_len_b=40, no_repeat_ngram_size=2),
+], ids=["nbest5-lenpen0.6", "lenpen2", "minlen", "maxlen-trunc", "unkpen", "match-src-len",
+        "temperature", "ngram2"])
+@pytest.mark.parametrize("mode", [LOSSLESS, BITWISE], ids=["lossless", "bitwise"])
+def test_options_match_stock(tiny, gen, mode):
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    if gen.get("no_repeat_ngram_size"):
+        # stock's CPU blocker bans nothing (fairseq #4709): give stock the correct one
+        from fairseq_fastgen.search.ngram_blocker import TorchNGramBlocker
+        stock, fast = generators(task, models, mode, **gen)
+        stock.repeat_ngram_blocker = TorchNGramBlocker(gen["no_repeat_ngram_size"])
+        for b in batches(task, cfg, 16):
+            assert_same_hypos(stock.generate(models, b), fast.generate(models, b), mode.bitwise)
+        return
+    run_pair(task, models, cfg, mode, 16, gen)
+
+
+@pytest.mark.parametrize("mode", [LOSSLESS, BITWISE], ids=["lossless", "bitwise"])
+def test_prefix_tokens(tiny, mode):
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    run_pair(task, models, cfg, mode, 8, dict(beam=5, max_len_b=40), prefix_size=1)
+
+
+@pytest.mark.parametrize("mode", [LOSSLESS, BITWISE], ids=["lossless", "bitwise"])
+def test_ensemble(tiny, mode):
+    task, models, cfg = load(tiny.data, [tiny.postln, tiny.preln])
+    run_pair(task, models, cfg, mode, 8, dict(beam=5, max_len_b=30))
+
+
+@pytest.mark.parametrize("gen", [
+    dict(sampling=True, sampling_topk=10, beam=2, max_len_b=20),
+    dict(diverse_beam_groups=2, beam=4, max_len_b=20),
+    dict(diversity_rate=0.5, beam=4, max_len_b=20),
+], ids=["sampling", "diverse-beam", "diverse-siblings"])
+def test_fallback_options_identical(tiny, gen, caplog):
+    """Options the fast loop does not serve run fairseq's loop: output identical."""
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    run_pair(task, models, cfg, BITWISE, 8, gen, limit=2)
+
+
+def test_print_alignment(tiny):
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    run_pair(task, models, cfg, LOSSLESS, 8, dict(beam=5, max_len_b=30, print_alignment="hard"))
+    run_pair(task, models, cfg, BITWISE, 8, dict(beam=5, max_len_b=30, print_alignment="hard"))
+
+
+def test_transformer_lm_with_prompt(tiny_lm):
+    task, models, cfg = load(tiny_lm.data, [tiny_lm.path], task="language_modeling",
+                             extra=["--tokens-per-sample", "64", "--sample-break-mode", "eos"])
+    for mode in (LOSSLESS, BITWISE):
+        stock, fast = generators(task, models, mode, beam=4, max_len_b=20)
+        for b in batches(task, cfg, 8, limit=2):
+            prefix = b["net_input"]["src_tokens"][:, :3]
+            s = stock.generate(models, b, prefix_tokens=prefix)
+            f = fast.generate(models, b, prefix_tokens=prefix)
+            assert_same_hypos(s, f, bitwise=mode.bitwise)
+
+
+def test_disabled_config_builds_stock(tiny):
+    from fairseq.sequence_generator import SequenceGenerator
+    from fairseq_fastgen.search.fast_sequence_generator import FastSequenceGenerator
+    task, models, _ = load(tiny.data, [tiny.postln])
+    _, gen = generators(task, models, FastGenConfig(enabled=False), beam=2)
+    assert type(gen) is SequenceGenerator
+    _, gen = generators(task, models, FastGenConfig(), beam=2)
+    assert isinstance(gen, FastSequenceGenerator)
+
+
+def test_cross_attention_cache_is_per_sentence(tiny):
+    """At beam 5 the encoder-decoder keys/values are held once per sentence."""
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    b = next(batches(task, cfg, 8))
+    bsz, src_len = b["net_input"]["src_tokens"].shape
+    heads = models[0].decoder.layers[0].encoder_attn.num_heads
+    enc = models[0].encoder.forward_torchscript(b["net_input"])
+    for mode, copies in ((LOSSLESS, 1), (BITWISE, 5)):
+        _, fast = generators(task, models, mode, beam=5, max_len_b=5)
+        dec = fast._decoders()[0]
+        dec.start(enc, bsz, 5, 10)
+        for cross in dec.cross:
+            # lossless: one copy per sentence; bitwise keeps fairseq's per-hypothesis
+            # layout (built once per batch instead of re-gathered every step)
+            assert cross.k.shape == (bsz * copies * heads, src_len, cross.head_dim)
+            assert cross.v.shape == cross.k.shape
