@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class Run:
     sentences: Optional[int]
     tokens: Optional[int]
     returncode: int
+    peak_rss_mb: float = 0.0
 
 
 @dataclass
@@ -81,14 +83,36 @@ def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] =
     else:
         e["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=e, input=stdin)
+    stdout, stderr, code, rss = _run_measured(cmd, e, stdin)
     wall = time.perf_counter() - t0
-    m = _TRANSLATED.search(p.stderr)
-    return Run(p.stdout, p.stderr, wall,
+    m = _TRANSLATED.search(stderr)
+    return Run(stdout, stderr, wall,
                float(m.group(3)) if m else None,
                int(m.group(1).replace(",", "")) if m else None,
                int(m.group(2).replace(",", "")) if m else None,
-               p.returncode)
+               code, rss)
+
+
+def _run_measured(cmd, env, stdin):
+    """Run cmd; return stdout, stderr, exit code and the child's peak RSS in MiB."""
+    p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL)
+    bufs = {}
+
+    def drain(name, stream):
+        bufs[name] = stream.read()
+
+    readers = [threading.Thread(target=drain, args=(n, s)) for n, s in (("out", p.stdout), ("err", p.stderr))]
+    for t in readers:
+        t.start()
+    if stdin is not None:
+        p.stdin.write(stdin)
+        p.stdin.close()
+    for t in readers:
+        t.join()
+    _, status, usage = os.wait4(p.pid, 0)  # reaped here to read the child's own rusage
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return bufs["out"], bufs["err"], p.returncode, usage.ru_maxrss / 1024
 
 
 def parse_output(text: str) -> Tuple[Dict[Tuple[str, int], List[str]], List[str]]:
@@ -231,7 +255,9 @@ class SideBySide:
 
     def ratios(self) -> Dict[str, float]:
         s, p = self.best(self.stock), self.best(self.plugin)
-        out = {"stock_wall_s": s.wall, "plugin_wall_s": p.wall, "wall_ratio": s.wall / p.wall}
+        out = {"stock_wall_s": s.wall, "plugin_wall_s": p.wall, "wall_ratio": s.wall / p.wall,
+               "stock_peak_rss_mb": max(r.peak_rss_mb for r in self.stock),
+               "plugin_peak_rss_mb": max(r.peak_rss_mb for r in self.plugin)}
         sg = min((r.gen_time for r in self.stock if r.gen_time), default=None)
         pg = min((r.gen_time for r in self.plugin if r.gen_time), default=None)
         if sg and pg:

@@ -5,7 +5,7 @@ The same field names are reachable three ways:
 * CLI: ``--fastgen-<name>`` on ``fairseq-generate`` / ``fairseq-interactive`` /
   ``fairseq-train`` / ``fairseq-eval-lm`` when ``--user-dir fairseq_fastgen`` is given
   (``--fastgen-bitwise``, ``--fastgen-no-shared-encoder`` ... booleans that default to
-  True are switched off with ``--fastgen-no-<name>``);
+  True are switched off with ``--fastgen-no-<name>``; ``--fastgen-off`` for ``enabled``);
 * Hydra/OmegaConf: a top-level ``fastgen`` node, e.g. ``+fastgen.bitwise=true``;
 * Python: ``fairseq_fastgen.configure(bitwise=True)`` or
   ``FastSequenceGenerator(..., fastgen=FastGenConfig(bitwise=True))``.
@@ -190,8 +190,9 @@ def add_args(parser) -> None:
         help_ = f.metadata.get("help", "")
         if f.type in (bool, "bool"):
             if f.default:
+                flag = "--fastgen-off" if f.name == "enabled" else "--fastgen-no-" + f.name.replace("_", "-")
                 group.add_argument(
-                    "--fastgen-no-" + f.name.replace("_", "-"), dest=dest,
+                    flag, dest=dest,
                     action="store_false", help="switch off: " + help_,
                 )
             else:

@@ -92,8 +92,13 @@ class _Layer:
         self.head_dim = sa.head_dim
         self.dim = sa.embed_dim
         self.scaling = sa.scaling
+        self.fuse = fuse_qkv and all(p.bias is not None for p in (sa.q_proj, sa.k_proj, sa.v_proj))
         self.fused_w = self.fused_b = None
-        if fuse_qkv and all(p.bias is not None for p in (sa.q_proj, sa.k_proj, sa.v_proj)):
+
+    def refresh(self) -> None:
+        """Re-read the fused q/k/v weights (the model may have trained since last batch)."""
+        if self.fuse:
+            sa = self.layer.self_attn
             self.fused_w = torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight])
             self.fused_b = torch.cat([sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias])
 
@@ -125,6 +130,9 @@ class FastDecoder:
     def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int) -> None:
         """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated)."""
         self.step_idx = 0
+        for l in self.layers:
+            l.refresh()
+        self._positions = self._position_table(max_len + 1)
         enc = pad = None
         if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
             enc = encoder_out["encoder_out"][0]
@@ -170,8 +178,8 @@ class FastDecoder:
         x = dec.embed_scale * dec.embed_tokens(last)
         if dec.project_in_dim is not None:
             x = dec.project_in_dim(x)
-        if dec.embed_positions is not None:
-            x += self._position(t, tokens)
+        if self._positions is not None:
+            x += self._positions[:, t : t + 1]
         if dec.layernorm_embedding is not None:
             x = dec.layernorm_embedding(x)
         x = x.view(-1, x.size(-1))  # (n, C): one query per hypothesis
@@ -243,17 +251,18 @@ class FastDecoder:
 
     # ---- helpers --------------------------------------------------------------------
 
-    def _position(self, t: int, tokens: Tensor) -> Tensor:
-        """Position embedding of step t, (1, 1, C); looked up once and cached."""
-        table = self._positions
-        if table is None or table.size(0) <= t or table.device != tokens.device:
-            n = max(t + 1, 2 * (0 if table is None else table.size(0)), 64)
-            rows = []
-            for s in range(n):
-                dummy = tokens.new_zeros(1, s + 1)
-                rows.append(self.decoder.embed_positions(dummy, incremental_state={})[:, -1:])
-            table = self._positions = torch.cat(rows, 0)  # (n, 1, C)
-        return table[t:t + 1]
+    def _position_table(self, steps: int) -> Optional[Tensor]:
+        """Position embeddings of steps 0..steps-1, (1, steps, C), in one lookup per batch.
+
+        A row of non-pad tokens gets positions padding_idx+1.. exactly as fairseq's
+        incremental lookup gives step t position padding_idx+t+1 (learned or sinusoidal).
+        """
+        pos = self.decoder.embed_positions
+        if pos is None:
+            return None
+        dev = self.decoder.output_projection.weight.device
+        dummy = torch.full((1, steps), self.decoder.padding_idx + 1, dtype=torch.long, device=dev)
+        return pos(dummy)
 
     def _device_dtype(self):
         w = self.decoder.output_projection.weight

@@ -1,0 +1,75 @@
+"""The vectorized n-gram blocker against a plain-Python reference of fairseq's CUDA
+kernel semantics, on random inputs (hypothesis)."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from fairseq_fastgen.search.ngram_blocker import TorchNGramBlocker, ban_repeated_ngrams
+
+
+def reference(tokens, lprobs, step, n):
+    """fairseq's kernel, one row and one start position at a time."""
+    out = lprobs.clone()
+    toks = tokens.tolist()
+    for r, row in enumerate(toks):
+        starts = step - n + 2
+        for i in range(max(starts, 0)):
+            if all(row[i + k] == row[starts + k] for k in range(n - 1)):
+                out[r, row[i + n - 1]] = -math.inf
+    return out
+
+
+@st.composite
+def cases(draw):
+    n = draw(st.integers(1, 6))
+    vocab = draw(st.sampled_from([5, 7, 50, 1000, 50000]))
+    rows = draw(st.integers(1, 64))
+    step = draw(st.integers(0, 300))
+    # few distinct tokens make repeats (and duplicate bans) common
+    distinct = draw(st.integers(1, min(vocab, 6)))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return n, vocab, rows, step, distinct, dtype, seed
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_matches_reference(case):
+    n, vocab, rows, step, distinct, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(vocab, generator=g)[:distinct]
+    tokens = pool[torch.randint(0, distinct, (rows, step + 2), generator=g)]
+    tokens[:, step + 1:] = 1  # trailing padding, as in the generator's buffer
+    lprobs = torch.randn(rows, vocab, generator=g).to(dtype)
+    expect = reference(tokens, lprobs, step, n)
+    got = ban_repeated_ngrams(tokens, lprobs.clone(), step, n)
+    assert torch.equal(got, expect)
+
+
+def test_long_rows_beyond_1024():
+    g = torch.Generator().manual_seed(0)
+    step = 1500
+    tokens = torch.randint(4, 8, (3, step + 2), generator=g)
+    lprobs = torch.zeros(3, 10)
+    assert torch.equal(ban_repeated_ngrams(tokens, lprobs.clone(), step, 3),
+                       reference(tokens, lprobs, step, 3))
+
+
+def test_blocks_what_stock_cpu_fallback_misses():
+    """fairseq #4709: stock's CPU path bans nothing; ours bans the repeat."""
+    from fairseq.ngram_repeat_block import NGramRepeatBlock
+    tokens = torch.tensor([[2, 5, 6, 7, 5, 6, 1, 1, 1]])  # step 5: last bigram (5, 6) seen before 7
+    lprobs = torch.zeros(1, 10)
+    ours = TorchNGramBlocker(3)(tokens, lprobs.clone(), 1, 1, 5)
+    assert ours[0, 7] == -math.inf and (ours[0, torch.arange(10) != 7] == 0).all()
+    stock = NGramRepeatBlock(3, use_extension=False)(tokens, lprobs.clone(), 1, 1, 5)
+    assert (stock == 0).all()
+
+
+def test_no_host_sync_or_python_loop_needed_for_shape():
+    tokens = torch.randint(4, 9, (320, 102))
+    lprobs = torch.randn(320, 6000)
+    out = ban_repeated_ngrams(tokens, lprobs, 100, 3)
+    assert out is lprobs and out.shape == (320, 6000)
