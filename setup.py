@@ -28,8 +28,8 @@ setup(
         'torch==2.13.0; python_version >= "3.11"',
         # Stack B (Python 3.10): official fairseq 0.12.2.
         'fairseq==0.12.2; python_version < "3.11"',
-        "hydra-core==1.3.2",
-        "omegaconf==2.3.0",
+        'hydra-core==1.3.2; python_version >= "3.11"',
+        'omegaconf==2.3.0; python_version >= "3.11"',
         "sentencepiece",
         "sacrebleu",
         "sacremoses",

@@ -1,6 +1,7 @@
 """The vectorized n-gram blocker against a plain-Python reference of fairseq's CUDA
 kernel semantics, on random inputs (hypothesis)."""
 import math
+import os
 
 import pytest
 import torch
@@ -73,3 +74,33 @@ def test_no_host_sync_or_python_loop_needed_for_shape():
     lprobs = torch.randn(320, 6000)
     out = ban_repeated_ngrams(tokens, lprobs, 100, 3)
     assert out is lprobs and out.shape == (320, 6000)
+
+
+def test_kernel_source_compiles_with_nvcc(tmp_path):
+    """A syntax or type error in the CUDA source fails CI even without a GPU."""
+    import shutil
+    import subprocess
+    from fairseq_fastgen.search.cupy_kernels import kernel_source_path
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.path.exists(nvcc):
+        pytest.skip("nvcc not installed on this machine")
+    p = subprocess.run([nvcc, "-c", "-o", str(tmp_path / "k.o"), str(kernel_source_path())],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    syms = subprocess.run(["nm", str(tmp_path / "k.o")], capture_output=True, text=True).stdout
+    for name in ("ban_ngrams_f32", "ban_ngrams_f16", "ban_ngrams_bf16"):
+        assert name in syms
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cupy_kernel_matches_reference(dtype):
+    pytest.importorskip("cupy", reason="CuPy not installed")
+    from fairseq_fastgen.search.cupy_kernels import cupy_ban_repeated_ngrams
+    g = torch.Generator().manual_seed(0)
+    for n, step in ((1, 5), (2, 40), (3, 1500), (4, 300)):
+        tokens = torch.randint(4, 9, (64, step + 2), generator=g)
+        lprobs = torch.randn(64, 50, generator=g).to(dtype)
+        expect = reference(tokens, lprobs, step, n)
+        got = cupy_ban_repeated_ngrams(tokens.cuda(), lprobs.cuda(), step, n).cpu()
+        assert torch.equal(got, expect)

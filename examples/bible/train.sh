@@ -14,6 +14,8 @@ case "$task" in
   *) echo "unknown task $task" >&2; exit 2 ;;
 esac
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+# stock fairseq-train on torch >= 2.6 cannot resume its own checkpoint_last.pt otherwise
+export TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1
 fairseq-train "$data" "${langs[@]}" "${norm[@]}" \
   --arch transformer --share-all-embeddings \
   --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256 \
