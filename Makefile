@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fastgen-installed
 
-.PHONY: demo test install clean-venv bench
+.PHONY: demo test install clean-venv bench test-b demo-b
 
 $(STAMP): setup.py requirements-a.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,3 +29,20 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Stack B: Python 3.10 + official fairseq 0.12.2 (pip < 24.1: omegaconf 2.0.x metadata).
+PYTHON310 ?= python3.10
+VENV_B ?= .venv310
+STAMP_B := $(VENV_B)/.fastgen-installed
+
+$(STAMP_B): setup.py
+	test -x $(VENV_B)/bin/python || $(PYTHON310) -m venv $(VENV_B)
+	$(VENV_B)/bin/python -m pip install -q "pip<24.1"
+	$(VENV_B)/bin/python -m pip install -q -e ".[test]"
+	touch $@
+
+test-b: $(STAMP_B)
+	$(VENV_B)/bin/python -m pytest -q tests/test_cli_equivalence.py tests/test_checkpoint.py -k "tiny or bundled or checkpoint"
+
+demo-b: $(STAMP_B)
+	$(VENV_B)/bin/python examples/demo.py

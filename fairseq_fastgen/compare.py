@@ -82,6 +82,10 @@ def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] =
         e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     else:
         e["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+        if stock_needs_route_around():
+            # official fairseq 0.12.2 crashes in its fused encoder path on current torch;
+            # "stock" is then fairseq's own generator with only that path routed around.
+            cmd += ["--user-dir", PLUGIN_DIR, "--fastgen-off"]
     t0 = time.perf_counter()
     stdout, stderr, code, rss = _run_measured(cmd, e, stdin)
     wall = time.perf_counter() - t0
@@ -113,6 +117,16 @@ def _run_measured(cmd, env, stdin):
     _, status, usage = os.wait4(p.pid, 0)  # reaped here to read the child's own rusage
     p.returncode = os.waitstatus_to_exitcode(status)
     return bufs["out"], bufs["err"], p.returncode, usage.ru_maxrss / 1024
+
+
+def stock_needs_route_around() -> bool:
+    """True on stack B (official fairseq 0.12.2), whose stock generate crashes on torch 2.x."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("fairseq") == "0.12.2"
+    except metadata.PackageNotFoundError:
+        return False
 
 
 def parse_output(text: str) -> Tuple[Dict[Tuple[str, int], List[str]], List[str]]:

@@ -20,6 +20,11 @@ replaced                                                   by
                                                            flags into the active config
 =========================================================  ===============================
 
+The ``build_generator`` wrapper also switches off fairseq 0.12.2's fused "BetterTransformer"
+encoder-layer path (``TransformerEncoderLayerBase.load_to_BT``) on the models it is given:
+with the torch releases pip now picks for 0.12.2 that path crashes ("Mask Type should be
+defined"); the regular path computes the same layer.  fairseq-fixed has no such path.
+
 ``uninstall()`` puts every original back.  Both are idempotent.
 """
 import functools
@@ -72,6 +77,7 @@ def _wrap_build_generator(original):
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
         cfg = fg_config.from_hydra(args) or fg_config.active()
+        _disable_fused_encoder_layers(models)
         if not cfg.enabled or seq_gen_cls is not None or getattr(args, "score_reference", False):
             return original(self, models, args, seq_gen_cls=seq_gen_cls,
                             extra_gen_cls_kwargs=extra_gen_cls_kwargs,
@@ -90,6 +96,13 @@ def _wrap_build_generator(original):
                         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
 
     return build_generator
+
+
+def _disable_fused_encoder_layers(models) -> None:
+    for model in models:
+        for module in model.modules():
+            if getattr(module, "load_to_BT", False):
+                module.load_to_BT = False
 
 
 def _wrap_add_args(original):

@@ -40,6 +40,11 @@ def read_module(module: str) -> dict:
     for line in out.splitlines():
         m = REF.match(line)
         if m:
+            if line[:1].isspace() and ref is not None and len(verses[ref]) > 1:
+                # diatheke prints the section heading in force (often a stale one, e.g.
+                # "David's Psalm of praise." before every verse up to Revelation) on the
+                # line right before an indented verse line: it belongs to no verse.
+                verses[ref].pop()
             ref = m.group(1)
             verses[ref] = [m.group(2)]
         elif not line.strip() or line.startswith("("):
@@ -51,6 +56,7 @@ def read_module(module: str) -> dict:
 
 def clean(text: str) -> str:
     text = unicodedata.normalize("NFC", text).replace("\u00b6", " ")  # KJV paragraph marks
+    text = re.sub(r"<[^<>]*>", " ", text)  # Strong's numbers (<H3478>) and other markup
     return re.sub(r"\s+", " ", text).strip()
 
 

@@ -15,12 +15,18 @@ import torch
 
 def strip(src: Path, dst: Path) -> None:
     state = torch.load(src, map_location="cpu", weights_only=False)
+    halves = {}  # shared embeddings stay one tensor (torch.save stores shared storage once)
+
+    def half(key, v):
+        if not v.is_floating_point() or key.endswith(("version", "_float_tensor")):
+            return v
+        return halves.setdefault(v.data_ptr(), v.half())
+
     keep = {
         "args": None,
         "cfg": state["cfg"],
-        "model": {k: (v.half() if v.is_floating_point() else v) for k, v in state["model"].items()},
-        "optimizer_history": [{k: v for k, v in state["optimizer_history"][-1].items()
-                               if k in ("criterion_name", "optimizer_name", "num_updates")}],
+        "model": {k: half(k, v) for k, v in state["model"].items()},
+        "optimizer_history": state["optimizer_history"],
         "extra_state": {"train_iterator": {"epoch": state["extra_state"]["train_iterator"]["epoch"]}},
         "last_optimizer_state": None,
     }

@@ -75,7 +75,7 @@ def _layer_unsupported(layer) -> Optional[str]:
             return f"attention module {type(attn).__name__} has its own forward"
         if attn.bias_k is not None or attn.add_zero_attn or getattr(attn, "use_xformers", False):
             return "attention with bias_k/add_zero_attn/xformers"
-        if attn.skip_embed_dim_check or attn.head_dim * attn.num_heads != attn.embed_dim:
+        if getattr(attn, "skip_embed_dim_check", False) or attn.head_dim * attn.num_heads != attn.embed_dim:
             return "pruned attention heads"
         if attn.dropout_module.apply_during_inference:
             return "dropout applied during inference"
