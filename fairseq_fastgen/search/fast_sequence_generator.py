@@ -158,7 +158,10 @@ class FastSequenceGenerator(SequenceGenerator):
 
             lprobs, avg_attn_scores = self._forward_decoders(decoders, tokens[:, : step + 1], need_attn)
 
-            lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
+            # fairseq maps NaN to -inf; skipped when every model's logits were proven finite
+            # (then log_softmax has no NaN; cheap bound check on CPU, see FastDecoder)
+            if not (all(d.logits_finite for d in decoders) and self.temperature >= 1.0):
+                lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
             lprobs[:, self.pad] = -math.inf
             lprobs[:, self.unk] -= self.unk_penalty
             if step >= max_len:
