@@ -11,8 +11,10 @@ Two ways to attend:
 * lossless (default): the beam's queries become the rows of one GEMM per (sentence,
   head), ``(beam, d) x (d, S)``.  A GEMM of another shape may round the last bit
   differently (~1e-6 on scores).
-* bitwise: keys/values are broadcast to one copy per hypothesis once per batch (and
-  re-selected only on a shrink), and attention runs fairseq's exact
+* bitwise: attention runs exactly fairseq's computation.  For models that fairseq itself
+  makes beam-aware (``set_beam_size``, e.g. BART) that is its ``einsum`` over per-sentence
+  keys/values, which we reproduce; otherwise keys/values are broadcast to one copy per
+  hypothesis once per batch (re-selected only on a shrink) and attention runs fairseq's
   ``(1, d) x (d, S)`` GEMM per (hypothesis, head).
 """
 from typing import Optional, Tuple
@@ -34,6 +36,9 @@ class CrossAttentionCache:
         self.heads = attn.num_heads
         self.head_dim = attn.head_dim
         self.merged = shared and not bitwise
+        # fairseq's own beam-aware path (MultiheadAttention.beam_size > 1, set for BART)
+        self.einsum = bitwise and getattr(attn, "beam_size", 1) > 1
+        self.per_sentence = self.merged or self.einsum
         s, bsz, _ = enc.shape
         k = attn.k_proj(enc)  # (S, bsz, C): once per sentence
         v = attn.v_proj(enc)
@@ -41,7 +46,7 @@ class CrossAttentionCache:
         self.k = k.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
         self.v = v.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
         self.pad = pad_mask.bool() if pad_mask is not None and pad_mask.any() else None
-        if not self.merged:
+        if not self.per_sentence:
             # one copy per hypothesis: fairseq's layout, built once instead of every step
             rep = torch.arange(bsz, device=enc.device).repeat_interleave(beam)
             self.k, self.v, self.pad = self._rows(rep, beam)
@@ -61,7 +66,7 @@ class CrossAttentionCache:
         the per-hypothesis copies follow it (any beam of the sentence would do: they
         are identical).
         """
-        if self.merged:
+        if self.per_sentence:
             self.k, self.v, self.pad = self._rows(sent_idx, 1)
         else:
             self.k, self.v, self.pad = self._rows(order, 1)
@@ -91,6 +96,8 @@ class CrossAttentionCache:
                 attn = p.view(bsz, self.heads, self.beam, s).transpose(0, 1).reshape(
                     self.heads, n, s).mean(dim=0)
             return out, attn
+        if self.einsum:
+            return self._attend_einsum(q, n, c, s, need_attn)
         q = q.view(n * self.heads, 1, self.head_dim)
         w = torch.bmm(q, self.k.transpose(1, 2))  # (n*H, 1, S)
         if self.pad is not None:
@@ -102,4 +109,27 @@ class CrossAttentionCache:
         attn = None
         if need_attn:
             attn = p.view(n, self.heads, 1, s).transpose(1, 0).mean(dim=0)[:, -1, :]
+        return out, attn
+
+    def _attend_einsum(self, q: Tensor, n: int, c: int, s: int, need_attn: bool):
+        """fairseq's beam-aware encoder-decoder attention, operation for operation."""
+        a, h, hd = self.attn, self.heads, self.head_dim
+        kv_bsz = self.k.size(0) // h
+        q = q.view(n * h, 1, hd)
+        w = torch.einsum("bxhtd,bhsd->bxhts", q.view((kv_bsz, -1, h) + q.size()[1:]),
+                         self.k.view((kv_bsz, h) + self.k.size()[1:]))
+        w = w.reshape((-1,) + w.size()[-2:])
+        if self.pad is not None:
+            w = w.view(kv_bsz, -1, h, 1, s).masked_fill(
+                self.pad.unsqueeze(1).unsqueeze(2).unsqueeze(3), float("-inf"))
+            w = w.view(n * h, 1, s)
+        p = F.softmax(w, dim=-1, dtype=torch.float32)
+        probs = p.type_as(w)
+        out = torch.einsum("bxhts,bhsd->bxhtd", probs.view((kv_bsz, -1, h) + probs.size()[1:]),
+                           self.v.view((kv_bsz, h) + self.v.size()[1:]))
+        out = out.reshape((-1,) + out.size()[-2:])
+        out = a.out_proj(out.transpose(0, 1).contiguous().view(n, c))
+        attn = None
+        if need_attn:
+            attn = p.view(n, h, 1, s).transpose(1, 0).mean(dim=0)[:, -1, :]
         return out, attn
