@@ -76,18 +76,21 @@ def main():
     p.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ablation-batch", type=int, default=64, help="batch for the ablation rows (0: none)")
+    p.add_argument("--shards", type=int, default=1, help="run on 1/N of the test set (N=1: all)")
     p.add_argument("--shards-batch1", type=int, default=10, help="batch 1 runs on 1/N of the test set")
+    p.add_argument("--ablation-repeats", type=int, default=None)
     p.add_argument("--name", default="generate_speed")
     a = p.parse_args()
     rows = []
     for threads in a.threads:
         for batch in a.batch:
-            shards = a.shards_batch1 if batch == 1 else 1
+            shards = max(a.shards_batch1, a.shards) if batch == 1 else a.shards
             rows.append(measure(a.task, a.beam, batch, threads, [], a.repeats, shards))
         if a.ablation_batch:
             for name, flags in ABLATIONS.items():
                 if flags:
-                    rows.append(measure(a.task, a.beam, a.ablation_batch, threads, flags, a.repeats, 1))
+                    rows.append(measure(a.task, a.beam, a.ablation_batch, threads, flags,
+                                        a.ablation_repeats or a.repeats, a.shards))
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),

@@ -25,7 +25,7 @@ def _train(data, save, plugin):
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [l for l in (p.stdout + p.stderr).splitlines() if "valid on 'valid' subset" in l]
     assert lines, p.stderr[-2000:]
-    return [re.search(r"\| bleu ([\d.]+)", l).group(1) for l in lines], p.stderr
+    return [re.search(r"\| bleu ([\d.]+)", l).group(1) for l in lines], p.stdout + p.stderr
 
 
 def test_eval_bleu_identical(tiny, tmp_path):
