@@ -31,22 +31,22 @@ ABLATIONS = {
 }
 
 
-def gen_args(task, beam, batch, shards):
+def gen_args(task, beam, batch, subset):
     d = BUNDLE / task
     src, tgt = ("es", "en") if task == "es-en" else ("kjv", "web")
     args = [str(d), "--path", str(d / "checkpoint.pt"), "--source-lang", src, "--target-lang", tgt,
             "--beam", str(beam), "--batch-size", str(batch), "--post-process", "sentencepiece",
             "--scoring", "sacrebleu"]
-    if shards > 1:
-        args += ["--num-shards", str(shards), "--shard-id", "0"]
+    if subset != "test":
+        args += ["--gen-subset", subset]
     return args
 
 
-def measure(task, beam, batch, threads, plugin_args, repeats, shards):
+def measure(task, beam, batch, threads, plugin_args, repeats, subset):
     t0 = time.time()
-    res = side_by_side(gen_args(task, beam, batch, shards), plugin_args, repeats, threads=threads)
+    res = side_by_side(gen_args(task, beam, batch, subset), plugin_args, repeats, threads=threads)
     r = res.ratios()
-    row = dict(task=task, beam=beam, batch=batch, threads=threads, shards=shards,
+    row = dict(task=task, beam=beam, batch=batch, threads=threads, subset=subset,
                plugin_args=" ".join(plugin_args), lossless=res.comparison.lossless,
                identical=res.comparison.identical, sentences=res.stock[0].sentences,
                max_score_diff=res.comparison.max_score_diff,
@@ -76,21 +76,22 @@ def main():
     p.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ablation-batch", type=int, default=64, help="batch for the ablation rows (0: none)")
-    p.add_argument("--shards", type=int, default=1, help="run on 1/N of the test set (N=1: all)")
-    p.add_argument("--shards-batch1", type=int, default=10, help="batch 1 runs on 1/N of the test set")
+    p.add_argument("--subset", default="test",
+                   help="test (1,000 verses), test2 (first 300) or test1 (first 100)")
+    p.add_argument("--subset-batch1", default="test1", help="subset for batch size 1")
     p.add_argument("--ablation-repeats", type=int, default=None)
     p.add_argument("--name", default="generate_speed")
     a = p.parse_args()
     rows = []
     for threads in a.threads:
         for batch in a.batch:
-            shards = max(a.shards_batch1, a.shards) if batch == 1 else a.shards
-            rows.append(measure(a.task, a.beam, batch, threads, [], a.repeats, shards))
+            subset = a.subset_batch1 if batch == 1 else a.subset
+            rows.append(measure(a.task, a.beam, batch, threads, [], a.repeats, subset))
         if a.ablation_batch:
             for name, flags in ABLATIONS.items():
                 if flags:
                     rows.append(measure(a.task, a.beam, a.ablation_batch, threads, flags,
-                                        a.ablation_repeats or a.repeats, a.shards))
+                                        a.ablation_repeats or a.repeats, a.subset))
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),
