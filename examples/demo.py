@@ -22,19 +22,15 @@ def main():
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--max-sentences", type=int, default=None,
-                   help="only the first N test sentences (quick look)")
+    p.add_argument("--subset", default="test", choices=["test", "test2", "test1"],
+                   help="test: 1,000 verses; test2: the first 300; test1: the first 100")
     a = p.parse_args()
-    src, tgt = a.task.split("-")
-    if a.task == "es-en":
-        src, tgt = "es", "en"
+    src, tgt = ("es", "en") if a.task == "es-en" else ("kjv", "web")
     data = BUNDLE / a.task
     args = [str(data), "--path", str(data / "checkpoint.pt"), "--source-lang", src,
-            "--target-lang", tgt, "--gen-subset", "test", "--beam", str(a.beam),
+            "--target-lang", tgt, "--gen-subset", a.subset, "--beam", str(a.beam),
             "--batch-size", str(a.batch_size), "--post-process", "sentencepiece",
             "--scoring", "sacrebleu"]
-    if a.max_sentences:
-        args += ["--max-valid-steps", str(max(1, a.max_sentences // a.batch_size))]
     print(f"fairseq-generate {' '.join(args)}\n  stock vs --user-dir fairseq_fastgen ...", flush=True)
     res = side_by_side(args, repeats=a.repeats)
     bleu = re.search(r"^Generate .*$", res.stock[0].stdout, re.M)

@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 PLUGIN_DIR = str(Path(__file__).resolve().parent)
 SCORE_TOL = 1e-4
 PRINTED_TOL = 2e-4  # P lines print 4 decimals: 1e-4 agreement plus rounding of each side
-_LINE = re.compile(r"^([STHDPAIE])-(\d+)\t(.*)$")
+_LINE = re.compile(r"^([STHDPAIEW])-(\d+)\t(.*)$")
+_TIMING_KINDS = ("W",)  # fairseq-interactive's per-batch wall time: never compared
 _TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
 
 
@@ -136,7 +137,8 @@ def parse_output(text: str) -> Tuple[Dict[Tuple[str, int], List[str]], List[str]
     for line in text.splitlines():
         m = _LINE.match(line)
         if m:
-            recs.setdefault((m.group(1), int(m.group(2))), []).append(m.group(3))
+            if m.group(1) not in _TIMING_KINDS:
+                recs.setdefault((m.group(1), int(m.group(2))), []).append(m.group(3))
         elif line.strip():
             other.append(line)
     return recs, other
@@ -148,7 +150,7 @@ def compare_outputs(stock: str, plugin: str, rescore=None) -> Comparison:
     rescore: optional callable (sentence_id, stock_hypo_text, plugin_hypo_text) ->
     (stock_score, plugin_score) under the stock model, used for differing hypotheses.
     """
-    c = Comparison(identical=stock == plugin, lossless=True)
+    c = Comparison(identical=_without_timing(stock) == _without_timing(plugin), lossless=True)
     a, a_other = parse_output(stock)
     b, b_other = parse_output(plugin)
     if a_other != b_other:
@@ -191,6 +193,11 @@ def compare_outputs(stock: str, plugin: str, rescore=None) -> Comparison:
     if any(not d.startswith(("H-", "D-", "P-", "A-")) for d in c.differences):
         c.lossless = False
     return c
+
+
+def _without_timing(text: str) -> str:
+    """The output less its wall-time lines (W-*), which differ between any two runs."""
+    return "".join(l for l in text.splitlines(keepends=True) if not l.startswith(_TIMING_KINDS[0] + "-"))
 
 
 def _close(kind: str, la: str, lb: str) -> Tuple[bool, float]:
