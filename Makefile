@@ -31,7 +31,8 @@ clean-venv:
 	rm -rf $(VENV)
 
 # Stack B: Python 3.10 + official fairseq 0.12.2 (pip < 24.1: omegaconf 2.0.x metadata).
-PYTHON310 ?= python3.10
+# pyenv machines: its python3.10 shim fails unless 3.10 is selected, so take the binary itself
+PYTHON310 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) python3.10)
 VENV_B ?= .venv310
 STAMP_B := $(VENV_B)/.fastgen-installed
 
