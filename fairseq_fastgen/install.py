@@ -68,10 +68,6 @@ def uninstall() -> None:
     _originals.clear()
 
 
-def installed() -> bool:
-    return bool(_originals)
-
-
 def _wrap_build_generator(original):
     @functools.wraps(original)
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,

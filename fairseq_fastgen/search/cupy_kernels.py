@@ -5,7 +5,6 @@ shared with CuPy through ``__cuda_array_interface__`` (no copies) and the kernel
 PyTorch's current CUDA stream.
 """
 import functools
-import os
 from pathlib import Path
 
 import torch
