@@ -73,6 +73,29 @@ class CupyNGramBlocker(TorchNGramBlocker):
         return cupy_ban_repeated_ngrams(tokens, lprobs, step, self.no_repeat_ngram_size)
 
 
+def corrected_stock_loop(tokens: Tensor, lprobs: Tensor, bsz: int, beam_size: int, step: int,
+                         n: int) -> Tensor:
+    """fairseq's CPU fallback (``NGramRepeatBlock._no_repeat_ngram``) with #4709 fixed.
+
+    The reference that tests and benchmarks compare against: the same Python loops over
+    rows and positions, but the n-gram to check is the hypothesis' last ``n-1`` tokens
+    (``tokens[:, step+2-n : step+1]``), not the buffer's trailing padding.
+    tokens: (bsz*beam, >= step+1) int64; lprobs: (bsz*beam, vocab), updated in place.
+    """
+    banned = [[] for _ in range(bsz * beam_size)]
+    if step + 2 - n >= 0:
+        cpu_tokens = tokens.cpu().tolist()
+        check_start_pos = step + 2 - n
+        for r in range(bsz * beam_size):
+            ngram_to_check = cpu_tokens[r][step + 2 - n : step + 1]
+            for i in range(check_start_pos):
+                if ngram_to_check == cpu_tokens[r][i : i + n - 1]:
+                    banned[r].append(cpu_tokens[r][i + n - 1])
+    for r in range(bsz * beam_size):
+        lprobs[r][torch.tensor(banned[r], dtype=torch.int64)] = torch.tensor(-math.inf).to(lprobs)
+    return lprobs
+
+
 def build_blocker(n: int, kind: str = "auto") -> nn.Module:
     """The n-gram blocker for ``--fastgen-ngram-blocker kind``."""
     if kind == "stock":
