@@ -135,3 +135,60 @@ def test_cross_attention_cache_is_per_sentence(tiny):
             # layout (built once per batch instead of re-gathered every step)
             assert cross.k.shape == (bsz * copies * heads, src_len, cross.head_dim)
             assert cross.v.shape == cross.k.shape
+
+
+def test_constraints_fall_back_identically(tiny, caplog):
+    """--constraints (lexically constrained search) runs fairseq's loop: identical output."""
+    from fairseq.token_generation_constraints import pack_constraints
+
+    _forget_logged_fallbacks()
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    gen = dict(beam=4, max_len_b=20, constraints="ordered")
+    stock, fast = generators(task, models, LOSSLESS, **gen)
+    b = next(iter(batches(task, cfg, 4)))
+    # each sentence must contain the first two target tokens of its reference
+    cons = pack_constraints([[t[:1], t[1:2]] for t in b["target"]])
+    s = stock.generate(models, b, constraints=cons)
+    f = fast.generate(models, b, constraints=cons)
+    assert_same_hypos(s, f, bitwise=True)
+    assert "LexicallyConstrainedBeamSearch" in caplog.text  # the fallback's log line
+
+
+def test_lm_fusion_falls_back_identically(tiny, caplog):
+    """--lm-path shallow fusion runs fairseq's loop: identical output."""
+    from argparse import Namespace
+
+    from fairseq.tasks import FairseqTask
+
+    _forget_logged_fallbacks()
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    lm = load(tiny.data, [tiny.preln], load_data=False)[1]
+    args = Namespace(beam=4, max_len_b=20)
+    extra = {"lm_model": _DecoderOnly(lm[0]), "lm_weight": 0.3}
+    stock = FairseqTask.build_generator.__wrapped__(task, models, args, extra_gen_cls_kwargs=extra)
+    fast = task.build_generator(models, args, extra_gen_cls_kwargs=dict(extra))
+    assert fast.lm_model is not None
+    for b in batches(task, cfg, 8, limit=2):
+        assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=True)
+    assert "LM fusion" in caplog.text
+
+
+class _DecoderOnly(torch.nn.Module):
+    """A language model made of a translation model's decoder (no encoder output), with
+    the target dictionary: what --lm-path needs."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.decoder = model.decoder
+
+    def forward(self, tokens):
+        return self.decoder(tokens)
+
+    def get_normalized_probs(self, net_output, log_probs, sample=None):
+        return self.decoder.get_normalized_probs(net_output, log_probs, sample)
+
+
+def _forget_logged_fallbacks():
+    """Fallback lines are logged once per process; let this test see its own."""
+    import importlib
+    importlib.import_module("fairseq_fastgen.search.fast_sequence_generator")._logged.clear()
