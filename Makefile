@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fastgen-installed
 
-.PHONY: demo test install clean-venv bench test-b demo-b
+.PHONY: demo test install clean-venv bench bench-suite bench-quick test-b demo-b
 
 $(STAMP): setup.py requirements-a.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-bench: $(STAMP)
-	$(PY) benchmarks/generate_speed.py
+bench: bench-suite
+
+# Full suite (stock vs fastgen + ablations vs CTranslate2, scaling; < 30 min on 2 CPU cores):
+# writes BENCHMARKS.md and benchmarks/results/suite/ (results.json, PNG plots).
+bench-suite: $(STAMP)
+	$(PY) benchmarks/suite.py
+
+bench-quick: $(STAMP)
+	$(PY) benchmarks/suite.py --quick --out benchmarks/results/suite-quick
 
 clean-venv:
 	rm -rf $(VENV)
