@@ -20,6 +20,7 @@ from typing import Any, Dict, Mapping, Optional
 logger = logging.getLogger(__name__)
 
 NGRAM_BLOCKERS = ("auto", "torch", "cupy", "stock")
+AGGRESSIVE_MODES = ("off", "on", "auto")
 
 
 class FastGenConfigError(ValueError):
@@ -84,9 +85,50 @@ class FastGenConfig:
             "files you trust whose extra objects are not on the safe allow-list"
         },
     )
+    pipeline: bool = field(
+        default=True,
+        metadata={
+            "help": "fairseq-generate: asynchronous pipeline (decode in the main process, "
+            "turn hypotheses into text in worker processes, write in batch order); the "
+            "output is byte-identical to fairseq's loop with the same generator"
+        },
+    )
+    pipeline_workers: int = field(
+        default=0,
+        metadata={
+            "help": "postprocessing worker processes of the generate pipeline; 0: auto "
+            "(the cores decoding leaves free, 1 to 4; 1 on a 2-core machine)"
+        },
+    )
+    keep_last_batch: bool = field(
+        default=False,
+        metadata={
+            "help": "generate the final batch that fairseq's batch_by_size drops when it is "
+            "smaller than --required-batch-size-multiple (fairseq #5036; 0.12.2 keeps it). "
+            "Off: a warning names the dropped count and output matches stock line for line"
+        },
+    )
     log_fallbacks: bool = field(
         default=True,
         metadata={"help": "log one line whenever an option falls back to stock code"},
+    )
+    aggressive: str = field(
+        default="off",
+        metadata={
+            "help": "lossless aggressive decoding for greedy search (beam 1): draft tokens "
+            "copied from the source (or from --fastgen-draft-model) and verified in one "
+            "decoder pass; on, off, or auto (on when source and target dictionaries are "
+            "the same)",
+            "choices": AGGRESSIVE_MODES,
+        },
+    )
+    draft_model: str = field(
+        default="",
+        metadata={
+            "help": "path to a small fairseq checkpoint with the same target dictionary "
+            "whose greedy output is the draft for aggressive decoding (speculative "
+            "decoding, greedy-exact); empty: drafts copied from the source",
+        },
     )
 
     def __post_init__(self):
@@ -125,6 +167,8 @@ class FastGenConfig:
             "kv_cache": fast and self.kv_cache,
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
             "ngram_blocker=" + self.ngram_blocker: on,
+            "aggressive_greedy=" + self.aggressive + (
+                "+draft_model" if self.draft_model else ""): fast and self.aggressive != "off",
         }
 
     def describe(self) -> str:
@@ -141,6 +185,10 @@ def _check_value(f, value):
         )
     if f.type in (bool, "bool") and not isinstance(value, bool):
         raise FastGenConfigError(f"fastgen option {f.name!r} must be true/false, got {value!r}")
+    if f.type in (int, "int") and (isinstance(value, bool) or not isinstance(value, int)
+                                   or value < 0):
+        raise FastGenConfigError(
+            f"fastgen option {f.name!r} must be a non-negative integer, got {value!r}")
 
 
 def _coerce(f, value):
@@ -151,6 +199,13 @@ def _coerce(f, value):
         if low in ("0", "false", "no", "off"):
             return False
         raise FastGenConfigError(f"fastgen option {f.name!r} must be true/false, got {value!r}")
+    if f.type in (int, "int") and isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise FastGenConfigError(
+                f"fastgen option {f.name!r} must be a non-negative integer, got {value!r}"
+            ) from None
     return value
 
 
@@ -202,6 +257,7 @@ def add_args(parser) -> None:
             group.add_argument(
                 cli_flag(f.name), dest=dest, default=f.default,
                 choices=f.metadata.get("choices"), help=help_,
+                type=int if f.type in (int, "int") else None,
             )
 
 

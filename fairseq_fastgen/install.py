@@ -18,6 +18,13 @@ replaced                                                   by
                                                            interactive parsers)
 ``fairseq.options.parse_args_and_arch``                    also reads the ``--fastgen-*``
                                                            flags into the active config
+``fairseq.data.data_utils.batch_by_size``                 the same batches; the final
+                                                           batch fairseq drops (#5036) is
+                                                           logged, or kept on request
+                                                           (``last_batch.py``)
+``fairseq_cli.generate.main`` (what ``cli_main`` calls)    the asynchronous pipeline
+                                                           (``tasks/async_generate.py``);
+                                                           byte-identical output
 =========================================================  ===============================
 
 The ``build_generator`` wrapper also switches off fairseq 0.12.2's fused "BetterTransformer"
@@ -58,6 +65,17 @@ def install() -> None:
         checkpoint_utils.load_checkpoint_to_cpu, lambda: fg_config.active().trust_checkpoint))
     _patch(options, "add_checkpoint_args", _wrap_add_args(options.add_checkpoint_args))
     _patch(options, "parse_args_and_arch", _wrap_parse(options.parse_args_and_arch))
+    from fairseq.data import data_utils
+
+    from .last_batch import guard_batch_by_size
+
+    _patch(data_utils, "batch_by_size", guard_batch_by_size(
+        data_utils.batch_by_size, lambda: fg_config.active().keep_last_batch))
+    from fairseq_cli import generate as generate_cli
+
+    from .tasks.async_generate import make_main
+
+    _patch(generate_cli, "main", make_main(generate_cli))
     logger.info(fg_config.active().describe())
 
 

@@ -84,7 +84,19 @@ class FastSequenceGenerator(SequenceGenerator):
         # no_grad, not inference_mode: callers (fairseq_cli.generate) update the returned
         # score tensors in place, which inference tensors forbid.
         with torch.no_grad():
+            if self.beam_size == 1 and self.fastgen.aggressive != "off":
+                from .aggressive_decoding import try_aggressive
+
+                out = try_aggressive(self, sample, prefix_tokens, bos_token)
+                if out is not None:
+                    return out
             return self._fast_generate(sample, prefix_tokens, bos_token)
+
+    @property
+    def aggressive_stats(self) -> Optional[dict]:
+        """Cumulative acceptance statistics of aggressive decoding (None if unused)."""
+        dec = getattr(self, "_aggressive", None)
+        return dec.stats.as_dict() if dec is not None else None
 
     def _decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:

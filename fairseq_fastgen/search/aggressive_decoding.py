@@ -1,0 +1,467 @@
+"""Lossless aggressive decoding for greedy generation (beam 1), batched, with a KV cache.
+
+Aggressive decoding (Ge et al., arXiv 2205.10350) drafts several tokens (here: copied from
+the source, :mod:`~fairseq_fastgen.search.drafts`), verifies all of them in one decoder
+pass, keeps the longest prefix greedy search would have produced plus the model's own next
+token, and drafts again.  This implementation:
+
+* **batches with the cache**: every row of a batch feeds its last token and its own draft
+  in one block pass (:class:`~fairseq_fastgen.models.verify.VerifyDecoder`), rows accept
+  different numbers of tokens, the self-attention cache keeps a length per row and a
+  rejected draft is rolled back by not advancing that length (masked, then overwritten);
+  finished rows leave the batch at once;
+* **is greedy-exact**: each verified position gets stock ``SequenceGenerator``'s rules for
+  its own step (NaN -> -inf, pad banned, ``--unkpen``, eos banned before ``--min-len``,
+  eos forced at the length limit, ``--prefix-size`` forcing, the repeated n-gram ban
+  computed on the hypothesis *including the draft tokens before that position*), then
+  the top candidate is taken as fairseq's ``BeamSearch`` (beam 1) does.  Scores are
+  accumulated in float32 step by step as stock does, and each hypothesis is finalized as
+  ``finalize_hypos`` does (same tokens, ``score``, ``positional_scores``,
+  ``--match-source-len`` rule);
+* **near ties**: a block pass computes logits with other GEMM shapes than stock's one-token
+  step, so scores may differ in the last bits (~1e-6).  A verified position whose top-2
+  margin is below ``NEAR_TIE`` (1e-4, plus the float32 rounding of the running score) is
+  not trusted: the row keeps only the positions before it, and if it is the row's first
+  position, the next pass is a plain one-token step for the batch (no drafts), which
+  decides it as the regular fast path does (``topk`` over cumulative scores, as stock);
+* **adapts**: each row keeps decayed counts of accepted / rejected draft positions
+  (prior: the acceptance seen so far in this generator); every pass picks the block
+  length that maximizes expected tokens per unit of cost (a pass ~ 1 one-token step,
+  plus ~0.03 per row-token and ~0.04 per block position, measured on CPU), so rows whose
+  drafts keep failing stop drafting, a batch without useful drafts runs one-token steps
+  (plain greedy), and rows that stopped drafting drift back to the prior and try again;
+* **drafts** (:mod:`~fairseq_fastgen.search.drafts`): copies of the source after an n-gram
+  match with the hypothesis' last 1..3 tokens, with token substitutions learned from
+  rejected drafts, or (``--fastgen-draft-model``) a small fairseq model's greedy output.
+
+Acceptance statistics are kept in ``FastSequenceGenerator.aggressive_stats`` (cumulative)
+and logged.
+"""
+import logging
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from ..models.fast_decoder import unsupported_reason
+from ..models.verify import VerifyDecoder
+from .drafts import DraftModelDrafts, SourceDrafts, SubstitutionMemory, load_draft_model
+from .ngram_blocker import TorchNGramBlocker
+
+logger = logging.getLogger(__name__)
+
+NEAR_TIE = 1e-4  # top-2 log-prob margin below which a block-pass decision is re-done
+ULP_REL = 2.4e-7  # ~2 float32 ulps per unit of |running score|
+MAX_DRAFT = 16
+# Cost of a block pass relative to a one-token step of one row (measured on CPU for the
+# bundled 3-layer models: per pass ~1, per row-token ~0.03, per block position ~0.04).
+COST_ROW_TOKEN = 0.03
+COST_POSITION = 0.04
+COST_DRAFT_STEP = 0.5  # one draft-model pass (small model) per draft position
+PRIOR_WEIGHT = 2.0  # pseudo-counts of the acceptance prior of each row
+DECAY = 0.7  # acceptance is bursty (copied spans vs rewritten ones): recent passes count more
+
+
+# ---- when it applies ---------------------------------------------------------------------
+
+def unsupported(gen, sample) -> Optional[str]:
+    """Why aggressive decoding cannot serve this generator/sample (None if it can)."""
+    cfg = gen.fastgen
+    if cfg.bitwise:
+        return "bitwise mode (a block pass is not bit-identical)"
+    if len(gen.model.models) != 1:
+        return "ensemble"
+    if gen.need_attn:
+        return "attention weights requested"
+    if gen.token_indices_to_suppress is not None:
+        return "suppressed token indices"
+    if gen.repeat_ngram_blocker is not None and not isinstance(gen.repeat_ngram_blocker, TorchNGramBlocker):
+        return "stock n-gram blocker"
+    model = gen.model.models[0]
+    if getattr(model, "encoder", None) is None or "src_tokens" not in sample["net_input"]:
+        return "no source to draft from"
+    reason = unsupported_reason(model)
+    if reason is not None:
+        return reason
+    src_dict = getattr(model.encoder, "dictionary", None)
+    if cfg.aggressive == "auto" and not cfg.draft_model and (src_dict is None or src_dict != gen.tgt_dict):
+        return "auto: source and target dictionaries differ"
+    return None
+
+
+def try_aggressive(gen, sample, prefix_tokens, bos_token):
+    """Run aggressive greedy decoding for ``gen`` (a beam-1 FastSequenceGenerator), or
+    return None (after one log line) when it does not apply."""
+    reason = unsupported(gen, sample)
+    if reason is not None:
+        if gen.fastgen.log_fallbacks:
+            from .fast_sequence_generator import _log_once
+            _log_once(f"fairseq-fastgen: aggressive decoding off ({reason}); regular greedy")
+        return None
+    dec = getattr(gen, "_aggressive", None)
+    if dec is None:
+        dec = gen._aggressive = AggressiveGreedy(gen)
+    return dec.generate(sample, prefix_tokens, bos_token)
+
+
+# ---- acceptance statistics ----------------------------------------------------------------
+
+class AcceptanceStats:
+    def __init__(self):
+        self.sentences = 0
+        self.passes = 0  # decoder block passes
+        self.row_steps = 0  # (row, pass) pairs: verification steps
+        self.tokens = 0  # tokens produced
+        self.drafted = 0  # draft tokens verified
+        self.accepted = 0  # draft tokens accepted
+        self.near_ties = 0  # positions re-done because of a near tie
+
+    def as_dict(self) -> Dict[str, float]:
+        d = dict(self.__dict__)
+        d["mean_accepted_per_step"] = self.tokens / max(self.row_steps, 1)
+        d["draft_acceptance_rate"] = self.accepted / max(self.drafted, 1)
+        d["tokens_per_pass"] = self.tokens / max(self.passes, 1)
+        return d
+
+    def __str__(self):
+        d = self.as_dict()
+        return (f"aggressive decoding: {self.sentences} sentences, {self.tokens} tokens in "
+                f"{self.row_steps} verification steps ({d['mean_accepted_per_step']:.2f} tokens/step), "
+                f"{self.passes} decoder passes, draft acceptance {d['draft_acceptance_rate']:.1%}, "
+                f"near ties {self.near_ties}")
+
+
+# ---- n-gram ban with a step per row ------------------------------------------------------
+
+def ban_repeated_ngrams_ragged(tokens: Tensor, steps: Tensor, lprobs: Tensor, n: int) -> None:
+    """``ngram_blocker.ban_repeated_ngrams`` with its own step per row, in place.
+
+    tokens: (rows, W) hypotheses (column 0 is BOS; columns after a row's step ignored);
+    steps: (rows,) int64; lprobs: (rows, vocab)."""
+    starts = steps - n + 2
+    ms = int(starts.max()) if starts.numel() else 0
+    if ms <= 0:
+        return
+    banned = tokens[:, n - 1 : n - 1 + ms]
+    valid = torch.arange(ms, device=tokens.device).unsqueeze(0) < starts.unsqueeze(1)
+    if n == 1:
+        match = valid
+    else:
+        windows = tokens.unfold(1, n - 1, 1)[:, :ms]
+        last_idx = (starts.unsqueeze(1) + torch.arange(n - 1, device=tokens.device)).clamp(min=0)
+        last = tokens.gather(1, last_idx)
+        match = (windows == last.unsqueeze(1)).all(dim=-1) & valid
+    src = torch.full(banned.shape, math.inf, dtype=lprobs.dtype, device=lprobs.device)
+    src.masked_fill_(match, -math.inf)
+    lprobs.scatter_reduce_(1, banned, src, reduce="amin")
+
+
+# ---- the decoder ---------------------------------------------------------------------------
+
+class AggressiveGreedy:
+    """Draft-and-verify greedy search for one fairseq encoder-decoder model."""
+
+    def __init__(self, gen):
+        self.gen = gen
+        self.model = gen.model.models[0]
+        self.vd = VerifyDecoder(self.model)
+        self.stats = AcceptanceStats()
+        self._seen_s = self._seen_f = 0.0
+        self.substitutions = SubstitutionMemory(len(gen.tgt_dict))
+        self.draft_model = None
+        if gen.fastgen.draft_model:
+            self.draft_model = load_draft_model(gen.fastgen.draft_model, self.model, gen.tgt_dict)
+            reason = unsupported_reason(self.draft_model)
+            if reason is not None:
+                raise ValueError(f"draft model {gen.fastgen.draft_model}: {reason}")
+        self._batches = 0
+        src_dict = getattr(self.model.encoder, "dictionary", None)
+        self.id_map = None
+        if src_dict is not None and src_dict != gen.tgt_dict:
+            # source ids -> target ids by symbol (unknown symbols -> unk: drafts just fail)
+            ids = [gen.tgt_dict.index(src_dict[i]) for i in range(len(src_dict))]
+            self.id_map = torch.tensor(ids, dtype=torch.long)
+
+    def generate(self, sample, prefix_tokens: Optional[Tensor], bos_token: Optional[int]):
+        gen = self.gen
+        eos, pad = gen.eos, gen.pad
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        if "src_lengths" in net_input:
+            src_lengths = net_input["src_lengths"]
+        else:
+            src_lengths = (src_tokens.ne(eos) & src_tokens.ne(pad)).long().sum(dim=1)
+        bsz, src_len = src_tokens.size()[:2]
+        dev = src_tokens.device
+        if gen.match_source_len:
+            max_len = src_lengths.max().item()
+        else:
+            max_len = min(int(gen.max_len_a * src_len + gen.max_len_b), gen.max_len - 1)
+        assert gen.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+
+        encoder_outs = gen.model.forward_encoder(net_input)
+        max_draft = max(0, min(MAX_DRAFT, max_len))
+        self.vd.start(encoder_outs[0], bsz, max_len, max_draft + 1)
+        del encoder_outs
+        id_map = self.id_map.to(dev) if self.id_map is not None else None
+        if self.draft_model is not None:
+            drafts = DraftModelDrafts(self.draft_model, net_input, bsz, max_len, max_draft, eos,
+                                      pad, gen.min_len)
+        else:
+            drafts = SourceDrafts(src_tokens, pad, id_map, self.substitutions.table(dev))
+
+        tokens = torch.full((bsz, max_len + 2), pad, dtype=torch.long, device=dev)
+        tokens[:, 0] = eos if bos_token is None else bos_token
+        cum_hist = torch.zeros(bsz, max_len + 1, dtype=torch.float, device=dev)
+        t = torch.zeros(bsz, dtype=torch.long, device=dev)
+        cum = torch.zeros(bsz, dtype=torch.float, device=dev)
+        # per-row acceptance evidence (decayed counts of accepted / rejected draft positions)
+        p0 = self._global_rate()
+        acc_s = torch.full((bsz,), PRIOR_WEIGHT * p0, dtype=torch.float, device=dev)
+        acc_f = torch.full((bsz,), PRIOR_WEIGHT * (1 - p0), dtype=torch.float, device=dev)
+        full_want = torch.full((bsz,), max_draft, dtype=torch.long, device=dev)
+        ks = torch.arange(max_draft + 1, device=dev)
+        force_single = False
+        orig = torch.arange(bsz, device=dev)
+        src_lengths = src_lengths.clone()
+        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
+        st = self.stats
+        st.sentences += bsz
+
+        while orig.numel() > 0:
+            n = orig.numel()
+            if force_single or max_draft == 0:
+                d = torch.zeros_like(t)
+                draft = t.new_empty(n, 0)
+                dstart = d
+            else:
+                if self.draft_model is not None:
+                    # every draft token costs a draft-model pass: choose k first
+                    k = self._block_len(full_want[:n], acc_s / (acc_s + acc_f), ks,
+                                        per_position=COST_DRAFT_STEP) - 1
+                    k = min(k, max_len - int(t.min()))
+                    draft, d, dstart = drafts.propose(tokens, t, full_want[:n].clamp(max=k), max_draft)
+                else:
+                    draft, d, dstart = drafts.propose(tokens, t, full_want[:n], max_draft)
+                d = torch.minimum(d, max_len - t)
+                d = d.clamp(max=self._block_len(d, acc_s / (acc_s + acc_f), ks) - 1)
+            L = 1 + int(d.max())
+            inp = torch.cat([tokens.gather(1, t.unsqueeze(1)), draft[:, : L - 1]], dim=1)
+            inp.masked_fill_(inp.lt(0), pad)  # past the source's end: padding positions
+            if L == 1:
+                flat = None
+                rr = torch.arange(n, device=dev)
+                steps = t
+            else:
+                offs = torch.arange(L, device=dev)
+                valid = offs.unsqueeze(0) <= d.unsqueeze(1)
+                flat = valid.view(-1).nonzero().squeeze(1)
+                rr = flat // L
+                steps = t[rr] + flat % L
+            logits = self.vd.forward(inp, t, flat)
+            lprobs = self._lprobs(logits)
+            self._apply_rules(lprobs, steps, rr, tokens, inp, t, max_len, prefix_tokens)
+            st.passes += 1
+            st.row_steps += n
+
+            if L == 1:
+                # the regular one-token step: stock's BeamSearch.step at beam 1
+                cand = lprobs + cum.unsqueeze(1)
+                top_v, top_i = torch.topk(cand, k=min(2, cand.size(1) - 1))
+                P = top_i[:, :1]
+                CS = top_v[:, :1]
+                emit = torch.ones_like(t)
+                force_single = False
+            else:
+                top_v, top_i = torch.topk(lprobs, k=2)
+                jj = steps - t[rr]
+                eps = NEAR_TIE + ULP_REL * (cum[rr].abs() + 20.0 * jj)
+                sure = (top_v[:, 0] - top_v[:, 1]) > eps
+                P = torch.full((n * L,), -1, dtype=torch.long, device=dev)
+                P[flat] = top_i[:, 0]
+                P = P.view(n, L)
+                LP = torch.zeros(n * L, dtype=torch.float, device=dev)
+                LP[flat] = top_v[:, 0]
+                LP = LP.view(n, L)
+                ok = torch.zeros(n * L, dtype=torch.bool, device=dev)
+                ok[flat] = sure
+                ok = ok.view(n, L)
+                ok[:, 1:] &= (P[:, :-1] == inp[:, 1:]) & (P[:, :-1] != eos)
+                emit = ok.long().cumprod(dim=1).sum(dim=1)
+                # running scores, one float32 add per step as stock does
+                CS = torch.empty(n, L, dtype=torch.float, device=dev)
+                c = cum
+                for j in range(L):
+                    c = c + LP[:, j]
+                    CS[:, j] = c
+                st.near_ties += int((~sure).sum())
+                force_single = bool((emit == 0).any())
+
+            emitted = int(emit.sum())
+            st.tokens += emitted
+            accepted = (emit - 1).clamp(min=0)
+            st.drafted += int(d.sum())
+            st.accepted += int(torch.minimum(accepted, d).sum())
+
+            # write the emitted tokens and running scores
+            Lc = P.size(1)
+            e_mask = torch.arange(Lc, device=dev).unsqueeze(0) < emit.unsqueeze(1)
+            r_idx, j_idx = e_mask.nonzero(as_tuple=True)
+            tpos = t[r_idx] + j_idx
+            tokens[r_idx, tpos + 1] = P[r_idx, j_idx]
+            cum_hist[r_idx, tpos] = CS[r_idx, j_idx]
+            last = (emit - 1).clamp(min=0).unsqueeze(1)
+            cum = torch.where(emit > 0, CS.gather(1, last).squeeze(1), cum)
+            finished = (emit > 0) & P.gather(1, last).squeeze(1).eq(eos)
+
+            # adapt draft lengths
+            drafted = (d > 0) & (emit > 0)
+            # rows that did not draft drift back to the prior, so they try again later
+            idle = ~drafted
+            acc_s = torch.where(idle, DECAY * acc_s + (1 - DECAY) * PRIOR_WEIGHT * p0, acc_s)
+            acc_f = torch.where(idle, DECAY * acc_f + (1 - DECAY) * PRIOR_WEIGHT * (1 - p0), acc_f)
+            if bool(drafted.any()):
+                if self.draft_model is None:
+                    self._learn(drafts, inp, P, d, accepted, emit)
+                a = torch.minimum(accepted, d).float()
+                rejected = (accepted < d).float()
+                acc_s = torch.where(drafted, DECAY * acc_s + a, acc_s)
+                acc_f = torch.where(drafted, DECAY * acc_f + rejected, acc_f)
+                self._seen_s += float(a[drafted].sum())
+                self._seen_f += float(rejected[drafted].sum())
+            drafts.advance(dstart, accepted, d, emit > 0)
+            t = t + emit
+            if bool(((t > max_len) & ~finished).any()):
+                # eos itself banned at the length limit (e.g. --no-repeat-ngram-size 1):
+                # stock's loop fails the same way
+                raise AssertionError(f"{max_len} < {max_len}")
+
+            if bool(finished.any()):
+                fin = finished.nonzero().squeeze(1).tolist()
+                orig_l = orig.tolist()
+                for r in fin:
+                    self._finalize(finalized, orig_l[r], tokens[r], cum_hist[r], int(t[r]) - 1,
+                                   src_lengths[r])
+                keep = (~finished).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                tokens, cum_hist, t, cum = tokens[keep], cum_hist[keep], t[keep], cum[keep]
+                acc_s, acc_f, orig = acc_s[keep], acc_f[keep], orig[keep]
+                src_lengths = src_lengths[keep]
+                if prefix_tokens is not None:
+                    prefix_tokens = prefix_tokens[keep]
+                drafts.select(keep)
+                self.vd.select(keep)
+
+        self._batches += 1
+        if self._batches == 1 or self._batches % 100 == 0:
+            logger.info("fairseq-fastgen: %s", st)
+        return finalized
+
+    # ---- pieces -----------------------------------------------------------------------
+
+    def _learn(self, drafts, inp, P, d, accepted, emit) -> None:
+        """Feed the substitution memory: accepted draft positions, and the first rejected
+        one with the model's own token."""
+        Lm1 = inp.size(1) - 1
+        j = torch.arange(Lm1, device=inp.device).unsqueeze(0)
+        acc = (j < accepted.unsqueeze(1)) & (j < d.unsqueeze(1))
+        rej = (j == accepted.unsqueeze(1)) & (accepted < d).unsqueeze(1) & (emit == accepted + 1).unsqueeze(1)
+        seen = acc | rej
+        self.substitutions.observe(drafts.last_orig[:, :Lm1][seen], inp[:, 1:][seen],
+                                   P[:, :Lm1][seen], acc[seen])
+
+    def _global_rate(self) -> float:
+        """Acceptance rate of draft positions so far (prior of every new row)."""
+        s, f = self._seen_s + 1.0, self._seen_f + 1.0
+        return min(max(s / (s + f), 0.05), 0.95)
+
+    def _block_len(self, avail: Tensor, p: Tensor, ks: Tensor, per_position: float = 0.0) -> int:
+        """The block length L maximizing expected tokens per unit of cost.
+
+        Row r with draft length k and per-position acceptance p_r yields
+        (1 - p_r^(k+1)) / (1 - p_r) tokens in expectation; a pass over n rows and L
+        positions costs 1 + COST_ROW_TOKEN*n*L + COST_POSITION*L (in one-token steps)."""
+        n = avail.numel()
+        p = p.clamp(max=0.98).unsqueeze(1)
+        k = torch.minimum(ks.unsqueeze(0), avail.unsqueeze(1))  # (n, K)
+        gain = ((1 - p.pow(k + 1)) / (1 - p)).sum(dim=0)
+        L = (ks + 1).float()
+        cost = 1.0 + COST_ROW_TOKEN * n * L + (COST_POSITION + per_position) * L
+        return int((gain / cost).argmax()) + 1
+
+    def _lprobs(self, logits: Tensor) -> Tensor:
+        gen = self.gen
+        if gen.temperature != 1.0:
+            logits = logits.div_(gen.temperature)
+        probs = self.model.get_normalized_probs((logits.unsqueeze(1), None), log_probs=True, sample=None)
+        return probs[:, 0, :]
+
+    def _apply_rules(self, lprobs: Tensor, steps: Tensor, rr: Tensor, tokens: Tensor, inp: Tensor,
+                     t: Tensor, max_len: int, prefix_tokens: Optional[Tensor]) -> None:
+        """Stock SequenceGenerator's per-step masking, each row at its own step, in place.
+
+        lprobs (m, V) rows = positions; steps (m,) their step; rr (m,) their batch row."""
+        gen = self.gen
+        eos, pad, unk = gen.eos, gen.pad, gen.unk
+        if not (self.vd.logits_finite and gen.temperature >= 1.0):
+            lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
+        lprobs[:, pad] = -math.inf
+        lprobs[:, unk] -= gen.unk_penalty
+        at_max = steps >= max_len
+        if bool(at_max.any()):
+            idx = at_max.nonzero().squeeze(1)
+            keep = lprobs[idx, eos].clone()
+            lprobs[idx] = -math.inf
+            lprobs[idx, eos] = keep
+        in_prefix = None
+        if prefix_tokens is not None:
+            plen = prefix_tokens.size(1)
+            in_prefix = (steps < plen) & (steps < max_len)
+            if bool(in_prefix.any()):
+                ptok = prefix_tokens[rr, steps.clamp(max=plen - 1)]
+                forced = in_prefix & ptok.ne(pad)
+                if bool(forced.any()):
+                    idx = forced.nonzero().squeeze(1)
+                    tok = ptok[idx]
+                    keep = lprobs[idx, tok].clone()
+                    lprobs[idx] = -math.inf
+                    lprobs[idx, tok] = keep
+        if gen.min_len > 0:
+            ban = steps < gen.min_len
+            if in_prefix is not None:
+                ban &= ~in_prefix
+            if bool(ban.any()):
+                lprobs[ban.nonzero().squeeze(1), eos] = -math.inf
+        blocker = gen.repeat_ngram_blocker
+        if blocker is not None:
+            n = blocker.no_repeat_ngram_size
+            if int(steps.max()) - n + 2 > 0:
+                L = inp.size(1)
+                hist = torch.cat([tokens, tokens.new_full((tokens.size(0), L), pad)], dim=1)
+                if L > 1:
+                    cols = t.unsqueeze(1) + 1 + torch.arange(L - 1, device=t.device)
+                    hist.scatter_(1, cols, inp[:, 1:])
+                ban_repeated_ngrams_ragged(hist.index_select(0, rr), steps, lprobs, n)
+
+    def _finalize(self, finalized, sent: int, tokens: Tensor, cum_hist: Tensor, step: int,
+                  src_length: Tensor) -> None:
+        """One hypothesis, exactly as fairseq's ``finalize_hypos`` builds it."""
+        gen = self.gen
+        toks = tokens[1 : step + 2].clone()
+        toks[step] = gen.eos
+        pos = cum_hist[: step + 1].clone()
+        score = pos[step].clone()
+        pos[1:] = pos[1:] - pos[:-1]
+        if gen.normalize_scores:
+            score /= (step + 1) ** gen.len_penalty
+        if gen.match_source_len and step > src_length:
+            score = torch.tensor(-math.inf)
+        finalized[sent].append({
+            "tokens": toks,
+            "score": score,
+            "attention": torch.empty(0),
+            "alignment": torch.empty(0),
+            "positional_scores": pos,
+        })

@@ -1,0 +1,248 @@
+"""Draft sources for aggressive (draft-and-verify) greedy decoding.
+
+:class:`SourceDrafts` copies from the source (input-guided aggressive decoding, Ge et al.
+2022): the last 1..3 generated tokens are looked up among the source's n-grams; after a
+match the draft is the source continuation.  All rows at once, on the device, with no
+per-row Python: an n-gram match is the AND of shifted token equalities over the
+``(rows, src_len)`` grid.  The longest order that matches wins; a unique match is used
+as is, several matches are disambiguated by the running alignment (the match nearest to
+the source position aligned with the previous token).  When nothing matches (a word the
+source does not have), the model's token is taken to have replaced the aligned source
+token and the draft continues after it.  At step 0 the draft is the start of the source.
+:class:`SubstitutionMemory` learns token substitutions from rejected drafts (KJV "Thy"
+-> WEB "Your") and drafts them from the next batch on.  :class:`DraftModelDrafts` drafts
+with a small fairseq model instead.  Drafts only decide speed, never output: every
+drafted token is verified.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+class SourceDrafts:
+    """Per-batch state: the source in target ids, right-aligned, and a per-row alignment."""
+
+    MAX_ORDER = 3
+
+    def __init__(self, src_tokens: Tensor, pad: int, id_map: Optional[Tensor] = None,
+                 substitutions: Optional[Tensor] = None):
+        """src_tokens: (n, S) source ids (left or right padded); id_map: source id ->
+        target id (None when the dictionaries are the same); substitutions: target id ->
+        the id to draft instead (:class:`SubstitutionMemory`)."""
+        is_pad = src_tokens.eq(pad)
+        # non-pad tokens first, order kept (stable sort of the pad flags)
+        order = torch.sort(is_pad.to(torch.int8), dim=1, stable=True).indices
+        src = src_tokens.gather(1, order)
+        if id_map is not None:
+            src = id_map[src]
+        self.src_len = (~is_pad).sum(dim=1)
+        self.width = src.size(1)
+        self.cols = torch.arange(self.width, device=src.device)
+        src = src.masked_fill(self.cols.unsqueeze(0) >= self.src_len.unsqueeze(1), -1)
+        # one extra -1 column so gathers past the end read "no token"
+        self.orig = torch.cat([src, src.new_full((src.size(0), 1), -1)], dim=1)
+        self.src = self.orig
+        if substitutions is not None:
+            self.src = torch.where(self.orig >= 0, substitutions[self.orig.clamp(min=0)], self.orig)
+        self.ptr = torch.full_like(self.src_len, -1)  # source index aligned with the last token
+
+    def select(self, rows: Tensor) -> None:
+        self.src = self.src.index_select(0, rows)
+        self.orig = self.orig.index_select(0, rows)
+        self.src_len = self.src_len.index_select(0, rows)
+        self.ptr = self.ptr.index_select(0, rows)
+
+    def propose(self, tokens: Tensor, t: Tensor, want: Tensor, width: int):
+        """tokens: (n, >=max(t)+1) hypotheses with BOS in column 0; t: (n,) tokens
+        generated so far; want: (n,) draft length wanted per row.
+
+        Returns (draft (n, width) int64, length (n,) int64, start (n,) source index of the
+        first draft token)."""
+        src = self.src[:, : self.width]
+        n = src.size(0)
+        match = None
+        best = torch.zeros(n, dtype=torch.bool, device=src.device)
+        chosen = torch.zeros(n, self.width, dtype=torch.bool, device=src.device)
+        eq_run = None
+        for k in range(1, self.MAX_ORDER + 1):
+            g = tokens.gather(1, (t - (k - 1)).clamp(min=0).unsqueeze(1))  # k-th last token
+            eq = src.eq(g)
+            if k > 1 and k - 1 >= self.width:
+                eq_run = torch.zeros_like(eq)
+            elif k > 1:
+                eq = torch.cat([eq.new_zeros(n, k - 1), eq[:, : self.width - (k - 1)]], dim=1)
+                eq_run = eq_run & eq
+            else:
+                eq_run = eq
+            match = eq_run & (t >= k).unsqueeze(1)
+            has = match.any(dim=1)
+            # a longer match overrides a shorter one
+            chosen = torch.where(has.unsqueeze(1), match, chosen)
+            best |= has
+        # several matches: the one nearest to the running alignment
+        dist = (self.cols.unsqueeze(0) - self.ptr.unsqueeze(1)).abs()
+        dist = dist.masked_fill(~chosen, 1 << 30)
+        end = dist.argmin(dim=1)
+        # no match (a word the source does not have): assume it replaced the aligned
+        # source token and continue after it
+        start = torch.where(best, end + 1, self.ptr + 1).clamp(min=0)
+        length = torch.minimum(want, self.src_len - start).clamp(min=0)
+        idx = (start.unsqueeze(1) + torch.arange(width, device=src.device)).clamp(max=self.width)
+        draft = self.src.gather(1, idx)
+        self.last_orig = self.orig.gather(1, idx)
+        return draft, length, start
+
+    def advance(self, start: Tensor, accepted: Tensor, drafted: Tensor, moved: Tensor) -> None:
+        """Record the alignment after a verification: accepted draft tokens came from
+        source positions start .. start+accepted-1, and the model's own next token is
+        taken to stand for the source token after them."""
+        ptr = torch.where(drafted > 0, start + accepted, self.ptr + 1)
+        self.ptr = torch.where(moved, ptr, self.ptr)
+
+
+class SubstitutionMemory:
+    """Token substitutions learned from verification, across batches.
+
+    When a copied draft token ``x`` is rejected and the model writes ``y`` instead, the
+    pair is counted; ``x`` is drafted as ``y`` from the next batch on once ``x -> y`` has
+    been seen at least twice and more often than ``x`` was accepted as itself (KJV ->
+    WEB: "Thy" -> "Your", "LORD" -> "Yahweh", "unto" -> "to").  Speed only: every
+    drafted token is verified.
+    """
+
+    MIN_COUNT = 2
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.pairs = {}  # (x, y) -> count, y != x
+        self.kept = torch.zeros(vocab_size, dtype=torch.long)  # x accepted as x
+        self._table: Optional[Tensor] = None
+
+    def observe(self, orig: Tensor, drafted: Tensor, model: Tensor, accepted: Tensor) -> None:
+        """orig, drafted: (m,) source token and the token drafted for it; model: (m,) the
+        model's token at that position; accepted: (m,) bool whether the draft held."""
+        same = accepted & drafted.eq(orig)
+        if bool(same.any()):
+            self.kept.index_add_(0, orig[same].cpu(), torch.ones(int(same.sum()), dtype=torch.long))
+        other = ~same & orig.ge(0) & model.ge(0)
+        if bool(other.any()):
+            for x, y in zip(orig[other].tolist(), model[other].tolist()):
+                if x == y:
+                    self.kept[x] += 1
+                else:
+                    self.pairs[(x, y)] = self.pairs.get((x, y), 0) + 1
+            self._table = None
+
+    def table(self, device) -> Optional[Tensor]:
+        if not self.pairs:
+            return None
+        if self._table is None:
+            best = {}
+            for (x, y), c in self.pairs.items():
+                if c >= self.MIN_COUNT and c > int(self.kept[x]) and c > best.get(x, (0, -1))[0]:
+                    best[x] = (c, y)
+            tab = torch.arange(self.vocab_size)
+            for x, (_, y) in best.items():
+                tab[x] = y
+            self._table = tab
+        return self._table.to(device)
+
+
+class DraftModelDrafts:
+    """Drafts from a small autoregressive fairseq model with the target's dictionary
+    (generalized aggressive decoding / speculative decoding, greedy-exact).
+
+    The draft model runs on its own :class:`~fairseq_fastgen.models.verify.VerifyDecoder`
+    with a ragged cache: each proposal first feeds the tokens of the hypothesis it has not
+    seen yet (one block: the verified model's bonus token, and the last draft token when
+    the whole draft was accepted), then drafts greedily one token per pass.  After a
+    verification, the draft cache keeps the accepted prefix (rollback = length).
+    """
+
+    def __init__(self, draft_model, net_input, bsz: int, max_len: int, max_draft: int, eos: int,
+                 pad: int, min_len: int = 0):
+        from ..models.verify import VerifyDecoder
+
+        self.model = draft_model
+        if not hasattr(draft_model, "_fastgen_verify"):
+            draft_model._fastgen_verify = VerifyDecoder(draft_model)
+        self.vd = draft_model._fastgen_verify
+        enc = draft_model.encoder.forward_torchscript(net_input)
+        self.vd.start(enc, bsz, max_len + max_draft + 1, 2 * max_draft + 2)
+        self.eos, self.pad, self.min_len = eos, pad, min_len
+        dev = net_input["src_tokens"].device
+        self.seen = torch.zeros(bsz, dtype=torch.long, device=dev)  # hypothesis tokens cached
+        self.t_at = torch.zeros_like(self.seen)
+        self.k = 0
+
+    def select(self, rows: Tensor) -> None:
+        self.vd.select(rows)
+        self.seen = self.seen.index_select(0, rows)
+        self.t_at = self.t_at.index_select(0, rows)
+
+    def propose(self, tokens: Tensor, t: Tensor, want: Tensor, width: int):
+        n = t.numel()
+        k = int(want.max()) if n else 0
+        dev = t.device
+        draft = torch.full((n, width), -1, dtype=torch.long, device=dev)
+        self.t_at, self.k = t.clone(), k
+        if k == 0:
+            return draft, torch.zeros_like(t), t
+        # catch up: tokens seen .. t (at least the last one)
+        c = t - self.seen + 1
+        L = int(c.max())
+        idx = (self.seen.unsqueeze(1) + torch.arange(L, device=dev)).clamp(max=tokens.size(1) - 1)
+        block = tokens.gather(1, idx)
+        last = c - 1
+        flat = torch.arange(n, device=dev) * L + last
+        logits = self.vd.forward(block, self.seen, flat)
+        nxt = self._pick(logits, t)
+        draft[:, 0] = nxt
+        pos = t + 1
+        for i in range(1, k):
+            logits = self.vd.forward(nxt.unsqueeze(1), pos, None)
+            nxt = self._pick(logits, pos)
+            draft[:, i] = nxt
+            pos = pos + 1
+        self.seen = t + k  # cache holds positions 0 .. t+k-1
+        # a draft ends with its first eos
+        is_eos = draft[:, :k].eq(self.eos)
+        first = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1) + 1,
+                            torch.full_like(t, k))
+        length = torch.minimum(want, first)
+        self.last_orig = draft
+        return draft, length, t
+
+    def _pick(self, logits: Tensor, step: Tensor) -> Tensor:
+        """Greedy draft token; pad never, eos not before --min-len (as the verifier)."""
+        logits[:, self.pad] = float("-inf")
+        if self.min_len > 0:
+            early = step < self.min_len
+            if bool(early.any()):
+                logits[early, self.eos] = float("-inf")
+        return logits.argmax(dim=-1)
+
+    def advance(self, start: Tensor, accepted: Tensor, drafted: Tensor, moved: Tensor) -> None:
+        # draft-cache positions t+1 .. t+a hold accepted tokens; the bonus is not cached
+        if self.k:
+            keep = self.t_at + 1 + torch.minimum(accepted, torch.full_like(accepted, self.k - 1))
+            self.seen = torch.minimum(self.seen, keep)
+
+
+def load_draft_model(path: str, target_model, tgt_dict):
+    """A fairseq checkpoint built with the target model's dictionaries (same target
+    dictionary required), in eval mode on the target's device and dtype."""
+    from fairseq import checkpoint_utils
+    from fairseq.tasks.translation import TranslationTask
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)
+    cfg = state["cfg"]
+    src_dict = getattr(target_model.encoder, "dictionary", tgt_dict)
+    task = TranslationTask(cfg.task, src_dict, tgt_dict)
+    model = task.build_model(cfg.model)
+    model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
+    if model.decoder.dictionary != tgt_dict:
+        raise ValueError(f"draft model {path}: target dictionary differs from the model's")
+    w = target_model.decoder.output_projection.weight
+    return model.to(device=w.device, dtype=w.dtype).eval()

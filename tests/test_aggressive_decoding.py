@@ -1,0 +1,295 @@
+"""Aggressive (draft-and-verify) greedy decoding vs fairseq's greedy search (beam 1).
+
+Lossless: identical tokens and lengths, scores and positional scores within 1e-4; stock
+runs in the same test.  Stock's CPU n-gram blocker bans nothing (fairseq #4709), so for
+--no-repeat-ngram-size stock gets the plugin's correct blocker, as in
+test_generator_equivalence.py.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_same_hypos, bundled, generators, load
+from conftest import batches as _batches
+from fairseq_fastgen.config import FastGenConfig
+from fairseq_fastgen.search import aggressive_decoding as agg
+from fairseq_fastgen.search.ngram_blocker import TorchNGramBlocker
+
+ON = FastGenConfig(aggressive="on")
+
+
+def batches(task, cfg, batch_size, subset=None, limit=None):
+    """conftest.batches on a task shared between tests: fairseq caches the epoch iterator
+    per dataset and would silently reuse the first test's batch size."""
+    task.dataset_to_epoch_iter.clear()
+    return _batches(task, cfg, batch_size, subset=subset, limit=limit)
+
+
+def compare(task, models, cfg, batch_size, gen, limit=None, prefix_size=0, fastgen=ON,
+            subset=None):
+    stock, fast = generators(task, models, fastgen, **gen)
+    if gen.get("no_repeat_ngram_size"):
+        stock.repeat_ngram_blocker = TorchNGramBlocker(gen["no_repeat_ngram_size"])
+    n = 0
+    for b in batches(task, cfg, batch_size, subset=subset, limit=limit):
+        prefix = b["target"][:, :prefix_size] if prefix_size else None
+        s, es = _outcome(lambda: stock.generate(models, b, prefix_tokens=prefix))
+        f, ef = _outcome(lambda: fast.generate(models, b, prefix_tokens=prefix))
+        assert es == ef  # e.g. --no-repeat-ngram-size 1 bans eos at the limit: both fail
+        if es is None:
+            assert_same_hypos(s, f, bitwise=False)
+        n += len(b["id"])
+    assert n > 0
+    return fast
+
+
+_loaded = {}
+
+
+def bundled_model(name):
+    if name not in _loaded:
+        b = bundled(name)
+        _loaded[name] = load(b.data, [b.path], extra=["--source-lang", b.src, "--target-lang", b.tgt,
+                                                      "--gen-subset", "test1"])
+    return _loaded[name]
+
+
+# ---- bundled models -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["kjv-web", "es-en"])
+@pytest.mark.parametrize("batch,limit", [(1, 6), (8, 3), (64, None)], ids=["b1", "b8", "b64"])
+def test_bundled_greedy_matches_stock(name, batch, limit):
+    task, models, cfg = bundled_model(name)
+    fast = compare(task, models, cfg, batch, dict(beam=1, max_len_b=80), limit=limit)
+    stats = fast.aggressive_stats
+    assert stats is not None and stats["tokens"] > 0
+    if name == "kjv-web" and batch <= 8:  # copy-heavy task: drafts are accepted
+        assert stats["mean_accepted_per_step"] > 1.2
+
+
+OPTIONS = [
+    dict(beam=1, min_len=25, max_len_b=80),
+    dict(beam=1, max_len_a=0.5, max_len_b=2),  # forces truncation
+    dict(beam=1, unkpen=-6.0, max_len_b=60),  # unk favoured: unk appears
+    dict(beam=1, unkpen=2.0, max_len_b=60),
+    dict(beam=1, max_len_b=80, no_repeat_ngram_size=3),
+    dict(beam=1, max_len_b=80, no_repeat_ngram_size=1),
+    dict(beam=1, match_source_len=True),
+    dict(beam=1, max_len_b=80, temperature=0.7),
+    dict(beam=1, max_len_b=80, lenpen=0.5),
+]
+OPTION_IDS = ["minlen", "maxlen-trunc", "unkpen-neg", "unkpen", "ngram3", "ngram1",
+              "match-src-len", "temperature", "lenpen"]
+
+
+@pytest.mark.parametrize("gen", OPTIONS, ids=OPTION_IDS)
+def test_bundled_options_match_stock(gen):
+    task, models, cfg = bundled_model("kjv-web")
+    compare(task, models, cfg, 8, gen, limit=2)
+
+
+@pytest.mark.parametrize("name", ["kjv-web", "es-en"])
+def test_bundled_prefix(name):
+    task, models, cfg = bundled_model(name)
+    compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=2, prefix_size=1)
+    compare(task, models, cfg, 8, dict(beam=1, max_len_b=80, no_repeat_ngram_size=2),
+            limit=1, prefix_size=3)
+
+
+def test_es_en_options():
+    task, models, cfg = bundled_model("es-en")
+    compare(task, models, cfg, 16, dict(beam=1, min_len=10, max_len_b=80, no_repeat_ngram_size=3),
+            limit=2)
+    compare(task, models, cfg, 16, dict(beam=1, match_source_len=True, unkpen=-4.0), limit=2)
+
+
+def test_near_tie_rule_keeps_output(monkeypatch):
+    """Every block-pass decision treated as a near tie: rows fall back to one-token steps
+    and output is unchanged; with no margin at all, unchanged too."""
+    task, models, cfg = bundled_model("kjv-web")
+    monkeypatch.setattr(agg, "NEAR_TIE", 1e9)
+    fast = compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=1)
+    assert fast.aggressive_stats["near_ties"] > 0
+    monkeypatch.setattr(agg, "NEAR_TIE", 0.0)
+    compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=1)
+
+
+def test_auto_mode_and_fallbacks(caplog):
+    task, models, cfg = bundled_model("kjv-web")
+    b = next(batches(task, cfg, 4))
+    # auto: joint dictionary -> on
+    _, fast = generators(task, models, FastGenConfig(aggressive="auto"), beam=1, max_len_b=50)
+    fast.generate(models, b)
+    assert fast.aggressive_stats is not None
+    # off (default), beam > 1, bitwise: the regular path
+    for fg, gen in ((FastGenConfig(), dict(beam=1)), (ON, dict(beam=2)),
+                    (FastGenConfig(aggressive="on", bitwise=True), dict(beam=1))):
+        stock, fast = generators(task, models, fg, max_len_b=50, **gen)
+        assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=fg.bitwise)
+        assert fast.aggressive_stats is None
+
+
+def test_ensemble_falls_back(tiny):
+    task, models, cfg = load(tiny.data, [tiny.postln, tiny.preln])
+    _, fast = generators(task, models, ON, beam=1, max_len_b=20)
+    stock, _ = generators(task, models, ON, beam=1, max_len_b=20)
+    for b in batches(task, cfg, 8, limit=1):
+        assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=False)
+    assert fast.aggressive_stats is None
+
+
+# ---- the block pass and its cache ---------------------------------------------------------
+
+def test_block_pass_matches_one_token_steps():
+    """Blocks with rejected (garbage) drafts rolled back per row give the logits of
+    one-token steps."""
+    from fairseq_fastgen.models.fast_decoder import FastDecoder
+    from fairseq_fastgen.models.verify import VerifyDecoder
+
+    task, models, cfg = bundled_model("kjv-web")
+    m = models[0]
+    b = next(batches(task, cfg, 3))
+    n = b["net_input"]["src_tokens"].size(0)
+    seqs = b["target"].clone()
+    seqs[seqs.eq(task.target_dictionary.pad())] = 5
+    T = 9
+    with torch.no_grad():
+        enc = m.encoder.forward_torchscript(b["net_input"])
+        ref = FastDecoder(m)
+        ref.start(enc, n, 1, 40)
+        bos = torch.full((n, 1), task.target_dictionary.eos())
+        full = torch.cat([bos, seqs], dim=1)
+        want = [ref.step(full[:, : i + 1], False)[0][:, 0] for i in range(T)]
+        vd = VerifyDecoder(m)
+        vd.start(enc, n, 40, 8)
+        t = torch.zeros(n, dtype=torch.long)
+        g = torch.Generator().manual_seed(0)
+        got = [[None] * T for _ in range(n)]
+        while int(t.min()) < T:
+            L = 4
+            block = torch.randint(4, 100, (n, L), generator=g)  # garbage drafts
+            take = torch.randint(1, L + 1, (n,), generator=g)  # rows keep different prefixes
+            for r in range(n):
+                k = int(take[r])
+                block[r, :k] = full[r, int(t[r]): int(t[r]) + k]
+            logits = vd.forward(block, t, None).view(n, L, -1)
+            for r in range(n):
+                for j in range(int(take[r])):
+                    if int(t[r]) + j < T:
+                        got[r][int(t[r]) + j] = logits[r, j]
+            t = t + take  # per-row rollback of the rest
+        for r in range(n):
+            for i in range(T):
+                torch.testing.assert_close(got[r][i], want[i][r], atol=1e-4, rtol=0)
+
+
+# ---- random-weight models, hypothesis-generated sources -------------------------------------
+
+def _sample(srcs, pad, eos):
+    rows = [s + [eos] for s in srcs]
+    width = max(len(r) for r in rows)
+    toks = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):  # left padding, as fairseq's translation task
+        toks[i, width - len(r):] = torch.tensor(r)
+    return {"id": torch.arange(len(rows)),
+            "net_input": {"src_tokens": toks, "src_lengths": torch.tensor([len(r) for r in rows])}}
+
+
+def _outcome(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - stock's error (if any) must be the plugin's too
+        return None, type(e)
+
+
+_tiny_models = {}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tiny):
+    for which in ("postln", "preln", "bart"):
+        if which not in _tiny_models:
+            _tiny_models[which] = load(tiny.data, [getattr(tiny, which)])
+    return _tiny_models
+
+
+@st.composite
+def sources(draw):
+    vocab = st.integers(4, 60)
+    kind = st.sampled_from(["random", "repeat", "empty", "copyish"])
+    out = []
+    for _ in range(draw(st.integers(1, 5))):
+        k = draw(kind)
+        if k == "random":
+            out.append(draw(st.lists(vocab, min_size=1, max_size=25)))
+        elif k == "repeat":
+            out.append([draw(vocab)] * draw(st.integers(1, 30)))
+        elif k == "empty":
+            out.append([])
+        else:  # a repeated phrase: several source matches for the drafts
+            phrase = draw(st.lists(vocab, min_size=1, max_size=4))
+            out.append(phrase * draw(st.integers(2, 6)))
+    return out
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(srcs=sources(), which=st.sampled_from(["postln", "preln", "bart"]),
+       min_len=st.sampled_from([0, 3]), max_len_b=st.sampled_from([3, 30]),
+       ngram=st.sampled_from([0, 2, 3]), unkpen=st.sampled_from([0.0, -3.0]),
+       prefix=st.booleans(), match_src=st.booleans())
+def test_tiny_random_sources(tiny_models, srcs, which, min_len, max_len_b, ngram, unkpen,
+                             prefix, match_src):
+    task, models, _ = tiny_models[which]
+    d = task.target_dictionary
+    gen = dict(beam=1, max_len_b=max_len_b, min_len=min_len, unkpen=unkpen,
+               no_repeat_ngram_size=ngram, match_source_len=match_src)
+    sample = _sample(srcs, d.pad(), d.eos())
+    if match_src and min_len > int(sample["net_input"]["src_lengths"].max()):
+        gen["min_len"] = 0
+    stock, fast = generators(task, models, ON, **gen)
+    if ngram:
+        stock.repeat_ngram_blocker = TorchNGramBlocker(ngram)
+    pt = None
+    if prefix:
+        pt = sample["net_input"]["src_tokens"][:, -1:].clone()  # eos or a token
+        pt[:, 0] = torch.tensor([(s[0] if s else 7) for s in srcs])
+    s, es = _outcome(lambda: stock.generate(models, sample, prefix_tokens=pt))
+    f, ef = _outcome(lambda: fast.generate(models, sample, prefix_tokens=pt))
+    assert es == ef
+    if es is None:
+        assert_same_hypos(s, f, bitwise=False)
+
+
+@pytest.mark.parametrize("which", ["bart", "preln"])
+def test_source_longer_than_max_positions(tiny_models, which):
+    """Whatever stock does (bart: 128 learned positions -> error), the plugin does."""
+    task, models, _ = tiny_models[which]
+    d = task.target_dictionary
+    src = [[5 + (i % 40) for i in range(200)], [9, 10, 11]]
+    sample = _sample(src, d.pad(), d.eos())
+    stock, fast = generators(task, models, ON, beam=1, max_len_b=20)
+    s, es = _outcome(lambda: stock.generate(models, sample))
+    f, ef = _outcome(lambda: fast.generate(models, sample))
+    assert es == ef
+    if es is None:
+        assert_same_hypos(s, f, bitwise=False)
+
+
+# ---- draft-model drafts (speculative decoding, greedy-exact) -------------------------------
+
+@pytest.mark.parametrize("draft", ["postln", "preln"])
+@pytest.mark.parametrize("gen", [dict(beam=1, max_len_b=30),
+                                 dict(beam=1, max_len_b=30, min_len=4, no_repeat_ngram_size=2)],
+                         ids=["plain", "minlen-ngram"])
+def test_draft_model_matches_stock(tiny, tiny_models, draft, gen):
+    """A model as its own draft (everything accepted) and another model as the draft."""
+    task, models, cfg = tiny_models["postln"]
+    fg = FastGenConfig(aggressive="on", draft_model=str(getattr(tiny, draft)))
+    for bs in (1, 8):
+        fast = compare(task, models, cfg, bs, gen, limit=3, fastgen=fg)
+    stats = fast.aggressive_stats
+    if draft == "postln" and not gen.get("no_repeat_ngram_size"):
+        assert stats["draft_acceptance_rate"] > 0.9
