@@ -195,13 +195,7 @@ class FastDecoder:
             x, a = self._layer(l, i, x, need_attn and i == last_layer)
             if a is not None:
                 attn = a
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        if x.device.type == "cpu":
-            self.logits_finite = self._logits_surely_finite(x)
-        logits = dec.output_projection(x.unsqueeze(1))
+        logits = dec.output_projection(self._final_features(x).unsqueeze(1))
         self.step_idx += 1
         return logits, attn
 
@@ -244,18 +238,38 @@ class FastDecoder:
             x = layer.final_layer_norm(x)
         return x, attn
 
-    def _self_attention(self, l: _Layer, cache: KVCache, x: Tensor) -> Tensor:
+    def _final_features(self, x: Tensor) -> Tensor:
+        """Final layer norm and output dim projection of x: (rows, C); on CPU also proves
+        the coming logits finite (see _logits_surely_finite)."""
+        dec = self.decoder
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        if x.device.type == "cpu":
+            self.logits_finite = self._logits_surely_finite(x)
+        return x
+
+    @staticmethod
+    def _project_qkv(l: _Layer, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Scaled queries, keys and values of x: (rows, C) each; one fused GEMM unless
+        bitwise (then q/k/v GEMMs as stock computes them)."""
         sa = l.layer.self_attn
-        n, c = x.shape
+        c = x.size(-1)
         if l.fused_w is not None:
             qkv = F.linear(x, l.fused_w, l.fused_b)
             q, k, v = qkv[:, :c], qkv[:, c:2 * c], qkv[:, 2 * c:]
-            q = q * l.scaling
-        else:
-            q = sa.q_proj(x)
-            k = sa.k_proj(x)
-            v = sa.v_proj(x)
-            q *= l.scaling
+            return q * l.scaling, k, v
+        q = sa.q_proj(x)
+        k = sa.k_proj(x)
+        v = sa.v_proj(x)
+        q *= l.scaling
+        return q, k, v
+
+    def _self_attention(self, l: _Layer, cache: KVCache, x: Tensor) -> Tensor:
+        sa = l.layer.self_attn
+        n, c = x.shape
+        q, k, v = self._project_qkv(l, x)
         keys, values = cache.append(k, v)  # (t+1, n, C) views
         t1 = keys.size(0)
         bh = n * l.heads

@@ -105,27 +105,13 @@ class VerifyDecoder(FastDecoder):
             x, _ = self._layer(l, i, x, False)
         if out_rows is not None:
             x = x.index_select(0, out_rows)
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        if x.device.type == "cpu":
-            self.logits_finite = self._logits_surely_finite(x)
-        return dec.output_projection(x)
+        return dec.output_projection(self._final_features(x))
 
     def _self_attention(self, l: _Layer, cache: RaggedKVCache, x: Tensor) -> Tensor:
         sa = l.layer.self_attn
         n, L, pos, rows, t_max, mask = self._ctx
         m, c = x.shape
-        if l.fused_w is not None:
-            qkv = F.linear(x, l.fused_w, l.fused_b)
-            q, k, v = qkv[:, :c], qkv[:, c:2 * c], qkv[:, 2 * c:]
-            q = q * l.scaling
-        else:
-            q = sa.q_proj(x)
-            k = sa.k_proj(x)
-            v = sa.v_proj(x)
-            q *= l.scaling
+        q, k, v = self._project_qkv(l, x)
         cache.write(pos, rows, k, v)
         bh = n * l.heads
         keys = cache.k[:t_max].view(t_max, bh, l.head_dim).transpose(0, 1)
