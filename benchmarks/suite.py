@@ -751,6 +751,13 @@ class Ctx:
     pass
 
 
+def save_partial(out: Path, cells) -> None:
+    """The cells measured so far (OUT/cells.partial.json): a run cut short keeps its figures."""
+    slim = [dict(c, systems={n: {k: v for k, v in r.items() if k != "stdout"}
+                             for n, r in c["systems"].items()}) for c in cells]
+    (out / "cells.partial.json").write_text(json.dumps(slim, indent=1, default=str))
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--ct2-worker"]:
@@ -860,6 +867,7 @@ def main(argv=None):
                         reps = ctx.repeats if (is_abl or not ngram) else ctx.repeats_ngram
                         cell = run_group(ctx, model, split, beam, batch, ngram, prec, variants, with_ct2, tag, reps)
                         cells.append(cell)
+                        save_partial(out, cells)
                         done = len([c for c in cells if c["tag"].startswith(("ablation", "grid"))
                                     and not c.get("copy")])
                         el = time.time() - t_grid
