@@ -228,6 +228,8 @@ class AggressiveGreedy:
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         st = self.stats
         st.sentences += bsz
+        # tokens, drafted, accepted, near ties: summed on the device, read once per batch
+        tally = torch.zeros(4, dtype=torch.long, device=dev)
 
         while orig.numel() > 0:
             n = orig.numel()
@@ -295,14 +297,13 @@ class AggressiveGreedy:
                 for j in range(L):
                     c = c + LP[:, j]
                     CS[:, j] = c
-                st.near_ties += int((~sure).sum())
+                tally[3] += (~sure).sum()
                 force_single = bool((emit == 0).any())
 
-            emitted = int(emit.sum())
-            st.tokens += emitted
             accepted = (emit - 1).clamp(min=0)
-            st.drafted += int(d.sum())
-            st.accepted += int(torch.minimum(accepted, d).sum())
+            tally[0] += emit.sum()
+            tally[1] += d.sum()
+            tally[2] += torch.minimum(accepted, d).sum()
 
             # write the emitted tokens and running scores
             Lc = P.size(1)
@@ -354,6 +355,8 @@ class AggressiveGreedy:
                 drafts.select(keep)
                 self.vd.select(keep)
 
+        st.tokens, st.drafted, st.accepted, st.near_ties = (
+            a + b for a, b in zip((st.tokens, st.drafted, st.accepted, st.near_ties), tally.tolist()))
         self._batches += 1
         if self._batches == 1 or self._batches % 100 == 0:
             logger.info("fairseq-fastgen: %s", st)
