@@ -47,12 +47,12 @@ GRID = {
                  ablation=dict(beam=5, batch=32, ngram=3),
                  scale_models=["es-en"], scale_lengths=[16, 64, 256, 512], scale_n=4, scale_batch=4,
                  scale_beams=[1, 4, 8, 12], scale_beam_n=16, scale_beam_batch=16,
-                 repeats=2, repeats_ngram=1, scale_repeats=1),
+                 repeats=2, repeats_ngram=2, repeats_ct2=1, scale_repeats=1),
     "quick": dict(models=["es-en"], beams=[5], batches=[8], ngrams=[0, 3],
                   ablation=dict(beam=5, batch=8, ngram=3),
                   scale_models=["es-en"], scale_lengths=[16, 64], scale_n=4, scale_batch=4,
                   scale_beams=[1, 4], scale_beam_n=16, scale_beam_batch=16,
-                  repeats=1, repeats_ngram=1, scale_repeats=1),
+                  repeats=1, repeats_ngram=1, repeats_ct2=1, scale_repeats=1),
 }
 MAX_LEN_B = 200  # fairseq's defaults: max_len_a=0, max_len_b=200 (hypothesis tokens before EOS)
 GPU_LAUNCH = r"""
@@ -266,7 +266,68 @@ def _precise_gen_time(r):
     return r
 
 
+class ForkServers:
+    """CPU runs of fairseq-generate through benchmarks/fork_server.py (imports paid once per
+    server, not per run; see that file).  One server per mode: stock, plugin, fixed."""
+
+    def __init__(self, threads, scratch):
+        self.threads, self.scratch, self.procs, self.n = threads, Path(scratch), {}, 0
+        self.scratch.mkdir(parents=True, exist_ok=True)
+
+    def run(self, mode, argv):
+        from fairseq_fastgen.compare import Run, _TRANSLATED
+
+        p = self._server(mode)
+        self.n += 1
+        so, se = self.scratch / f"{self.n}.out", self.scratch / f"{self.n}.err"
+        p.stdin.write(json.dumps(dict(argv=list(argv), stdout=str(so), stderr=str(se))) + "\n")
+        p.stdin.flush()
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"fork server {mode} died (see its stderr above)")
+        rep = json.loads(line)
+        stdout, stderr = so.read_text(), se.read_text()
+        so.unlink()
+        se.unlink()
+        m = _TRANSLATED.search(stderr)
+        return Run(stdout, stderr, rep["wall"], float(m.group(3)) if m else None,
+                   int(m.group(1).replace(",", "")) if m else None,
+                   int(m.group(2).replace(",", "")) if m else None, rep["code"], rep["maxrss_mb"])
+
+    def _server(self, mode):
+        if mode not in self.procs:
+            env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(self.threads),
+                       MKL_NUM_THREADS=str(self.threads))
+            if mode == "plugin":
+                env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+            else:
+                env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+            self.procs[mode] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("fork_server.py")), mode],
+                env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return self.procs[mode]
+
+    def close(self):
+        for p in self.procs.values():
+            p.stdin.close()
+            p.wait()
+        self.procs = {}
+
+
+SERVERS = None  # ForkServers, set by main() for CPU runs
+
+
 def run_fairseq(args, plugin, plugin_args, threads, device):
+    if device == "cpu" and SERVERS is not None:
+        from fairseq_fastgen.compare import stock_needs_route_around
+
+        if plugin:
+            r = SERVERS.run("plugin", [*args, "--user-dir", PLUGIN_DIR, *plugin_args])
+        elif stock_needs_route_around():  # stack B: see compare.run_generate
+            r = SERVERS.run("stock-routed", [*args, "--user-dir", PLUGIN_DIR, "--fastgen-off"])
+        else:
+            r = SERVERS.run("stock", args)
+        return _precise_gen_time(r), None
     if device == "cpu":
         r = run_generate(args, plugin, plugin_args, threads=threads)
         return _precise_gen_time(r), None
@@ -315,31 +376,15 @@ def run_ct2(out, model_dir, compute_type, sources, beam, batch, ngram, threads, 
                                     sources=sources, out=str(res))))
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
-    so, se, code, rss = _run_measured([sys.executable, __file__, "--ct2-worker", str(spec)], env, None)
+    # its own small script: importing this one would import fairseq (~7 s) for a ~1 s job
+    worker = Path(__file__).with_name("ct2_worker.py")
+    so, se, code, rss = _run_measured([sys.executable, str(worker), str(spec)], env, None)
     wall = time.perf_counter() - t0
     if code != 0:
         raise RuntimeError(f"CTranslate2 worker failed ({code}):\n{se[-3000:]}")
     r = json.loads(res.read_text())
     r.update(wall=wall, peak_rss_mb=rss)
     return r
-
-
-def ct2_worker(spec_path):
-    import ctranslate2
-
-    s = json.loads(Path(spec_path).read_text())
-    tr = ctranslate2.Translator(s["model_dir"], device=s["device"], compute_type=s["compute_type"],
-                                intra_threads=s["threads"] if s["device"] == "cpu" else 0, inter_threads=1)
-    t0 = time.perf_counter()
-    res = tr.translate_batch(s["sources"], max_batch_size=s["batch"], batch_type="examples",
-                             beam_size=s["beam"], length_penalty=1.0, no_repeat_ngram_size=s["ngram"],
-                             max_decoding_length=MAX_LEN_B + 1, min_decoding_length=1,
-                             max_input_length=0)
-    dt = time.perf_counter() - t0
-    hyps = [r.hypotheses[0] for r in res]
-    Path(s["out"]).write_text(json.dumps(dict(
-        gen_time=dt, sentences=len(hyps), tokens=sum(len(h) + 1 for h in hyps),  # + EOS, as fairseq counts
-        texts=["".join(h).replace("\u2581", " ").strip() for h in hyps])))
 
 
 # ---------------------------------------------------------------- measurement
@@ -387,6 +432,8 @@ def run_group(ctx, model, split, beam, batch, ngram, precision, variants, with_c
     for rep in range(repeats):
         k = rep % len(systems)
         for name, flags in systems[k:] + systems[:k]:
+            if name.startswith("ct2-") and len(runs[name]) >= ctx.repeats_ct2:
+                continue
             if name.startswith("ct2-"):
                 md = ctx.ct2_dirs[(model, "int8" if flags.startswith("int8") else "float32")]
                 r = run_ct2(ctx.work, md, flags, ctx.meta[model][split]["src_pieces"], beam, batch, ngram,
@@ -401,9 +448,13 @@ def run_group(ctx, model, split, beam, batch, ngram, precision, variants, with_c
     stock_out = runs["stock"][0]["stdout"]
     fixed_out = None
     if ngram and ctx.device == "cpu":  # see FIXED_NGRAM_LAUNCH: the lossless reference for fastgen
-        env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", PYTHONWARNINGS="ignore",
-                   OMP_NUM_THREADS=str(ctx.threads), MKL_NUM_THREADS=str(ctx.threads))
-        fixed_out, se, code, _ = _run_measured([sys.executable, "-c", FIXED_NGRAM_LAUNCH, *a], env, None)
+        if SERVERS is not None:
+            fr = SERVERS.run("fixed", a)
+            fixed_out, se, code = fr.stdout, fr.stderr, fr.returncode
+        else:
+            env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", PYTHONWARNINGS="ignore",
+                       OMP_NUM_THREADS=str(ctx.threads), MKL_NUM_THREADS=str(ctx.threads))
+            fixed_out, se, code, _ = _run_measured([sys.executable, "-c", FIXED_NGRAM_LAUNCH, *a], env, None)
         if code != 0:
             raise RuntimeError(f"stock with #4709 fixed failed on {tag}:\n{se[-3000:]}")
     s_hyps, refs, plen = hyps_refs(stock_out)
@@ -670,19 +721,26 @@ def report(res, files, path, argv):
           "stock with `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`, fastgen with `--user-dir fairseq_fastgen` (+ the "
           "ablation switch). Data: the first N verses of the bundled 1,000-verse test set (N = "
           + ", ".join(f"{n} at batch {b}" for b, n in res["config"]["sentences"].items())
-          + "), binarized by the suite into OUT/work/data.",
+          + "), binarized by the suite into OUT/work/data."
+          + (" On CPU each fairseq-generate process is forked from a server that has already imported "
+             "torch and fairseq (stock, or with the plugin loaded exactly as `--user-dir` loads it: "
+             "`benchmarks/fork_server.py`), so that ~150 runs do not spend 7 s each importing; the child runs "
+             "fairseq's own `cli_main` with the arguments above." if res["config"].get("fork_server") else ""),
           f"* Repeats: {res['config']['repeats']} rounds ({res['config']['repeats_ngram']} in the other "
           "--no-repeat-ngram-size cells, whose stock n-gram blocker is slow; "
-          f"{res['config']['scale_repeats']} in the scaling study), every system once per round, order rotated each round; "
+          f"{res['config']['scale_repeats']} in the scaling study; CTranslate2 "
+          f"{res['config'].get('repeats_ct2', res['config']['repeats'])}), every system once per round, order rotated each round; "
           "times are the minimum of fairseq's own generation time (`Translated ... in Xs`, model loading excluded; "
           "taken as tokens / the printed tokens/s, which has more digits than the printed seconds) "
           "or of CTranslate2's `translate_batch` call (model loading excluded); sent/s and tok/s from that minimum; "
           "speed-up = stock time / system time in the same cell; `process s` = whole-process wall time (min), "
-          "model loading and imports included. Medians are in results.json.",
+          + ("model loading included, imports excluded (forked after them; CTranslate2's process includes its "
+             "import)" if res["config"].get("fork_server") else "model loading and imports included")
+          + ". Medians are in results.json.",
           "* x limit uses the fp32 (or fp16) GEMM peak, so int8 systems can approach or beat 1.0.",
           "* Generated tokens: hypothesis tokens incl. EOS (fairseq's count; CTranslate2: pieces + 1).",
           "* Peak RSS: the process's own maximum resident set (os.wait4), i.e. including Python, torch and "
-          "fairseq imports.",
+          "fairseq imports (a forked child starts with the server's imported pages resident).",
           "* BLEU: sacrebleu on the detokenized hypotheses (D lines; CTranslate2 pieces joined the same way) vs the "
           "references (T lines) of that cell's verses.",
           "* fastgen vs stock: `fairseq_fastgen.compare.compare_outputs` (lossless = identical tokens and texts, "
@@ -760,8 +818,6 @@ def save_partial(out: Path, cells) -> None:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--ct2-worker"]:
-        return ct2_worker(argv[1])
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="smoke version: es-en, beam 5, batch 8, 16 verses (< 5 min)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -774,6 +830,9 @@ def main(argv=None):
     p.add_argument("--no-ct2", action="store_true", help="skip CTranslate2")
     p.add_argument("--no-scaling", action="store_true", help="skip the scaling study")
     p.add_argument("--no-ablation", action="store_true", help="skip the ablation cells")
+    p.add_argument("--no-fork-server", action="store_true",
+                   help="CPU: start every fairseq-generate as a fresh process (imports included, "
+                        "~7 s more per run) instead of forking it from benchmarks/fork_server.py")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="extra fastgen system in every grid cell, e.g. 'fastgen aggressive=--fastgen-aggressive on' "
                         "(beam-1-only switches: prefix NAME with 'beam1:'); repeatable")
@@ -803,9 +862,14 @@ def main(argv=None):
     ctx.work = out / "work"
     ctx.work.mkdir(exist_ok=True)
     (ctx.work / ".gitignore").write_text("*\n")
+    global SERVERS
+    if a.device == "cpu" and not a.no_fork_server:
+        SERVERS = ForkServers(a.threads, ctx.work / "runs")
     ctx.repeats = a.repeats or g["repeats"]
     ctx.repeats_ngram = a.repeats or g["repeats_ngram"]
     ctx.scale_repeats = a.repeats or g["scale_repeats"]
+    # CTranslate2 is a reference point, not the comparison under test: one round fits the budget
+    ctx.repeats_ct2 = min(ctx.repeats, g["repeats_ct2"])
     ctx.cache = {}
     counts = SENTENCES[mode]
     ctx.data, ctx.meta, ctx.dims = {}, {}, {}
@@ -900,13 +964,17 @@ def main(argv=None):
         "CTranslate2 has no equivalent call and is left blank).",
     ]
     res = dict(machine=machine, gemm=ctx.gemm, dims=ctx.dims, cells=cells, scaling=sc,
-               config=dict(mode=mode, repeats=ctx.repeats, extra_systems=extra_names, repeats_ngram=ctx.repeats_ngram,
+               config=dict(mode=mode, fork_server=a.device == "cpu" and not a.no_fork_server, repeats=ctx.repeats,
+                           repeats_ct2=ctx.repeats_ct2, extra_systems=extra_names, repeats_ngram=ctx.repeats_ngram,
                            scale_repeats=ctx.scale_repeats, sentences={b: counts[b] for b in g["batches"]},
                            grid={k: v for k, v in g.items()}),
                not_covered=not_covered, elapsed_s=time.time() - t_start)
     for c in res["cells"]:
         for r in c["systems"].values():
             r.pop("stdout", None)
+    if SERVERS is not None:
+        SERVERS.close()
+        SERVERS = None
     files = plots(res, out)
     res["elapsed_s"] = time.time() - t_start
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))

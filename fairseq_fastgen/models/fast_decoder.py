@@ -29,6 +29,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from .cached_attention import CrossAttentionCache
 from .kv_cache import KVCache
+from .padded_projection import PaddedProjection
 
 
 def unsupported_reason(model) -> Optional[str]:
@@ -111,7 +112,7 @@ class FastDecoder:
     """
 
     def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
-                 bitwise: bool = False):
+                 bitwise: bool = False, vocab_pad: bool = True):
         self.model = model
         self.decoder: TransformerDecoderBase = model.decoder
         self.shared_encoder = shared_encoder
@@ -124,6 +125,15 @@ class FastDecoder:
         self.self_kv: List[KVCache] = []
         self.cross: List[Optional[CrossAttentionCache]] = []
         self.step_idx = 0
+        # A padded copy of the output projection is a differently blocked GEMM: lossless
+        # mode only.
+        proj = self.decoder.output_projection
+        self._padded_proj = (
+            PaddedProjection(proj)
+            if vocab_pad and not bitwise and PaddedProjection.worthwhile(proj) else None)
+        # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
+        # callers normalize whole rows, then keep [..., :vocab]
+        self.vocab = proj.out_features if proj is not None else len(self.decoder.dictionary)
 
     # ---- per batch ----------------------------------------------------------------
 
@@ -133,11 +143,7 @@ class FastDecoder:
         for l in self.layers:
             l.refresh()
         self._positions = self._position_table(max_len + 1)
-        proj = self.decoder.output_projection
-        with torch.no_grad():
-            w_l1 = float(proj.weight.abs().sum(dim=1).amax())
-            b_max = float(proj.bias.abs().amax()) if proj.bias is not None else 0.0
-        self._w_bound = (w_l1, b_max)
+        self._w_bound = self._weight_bound()
         self.logits_finite = False
         enc = pad = None
         if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
@@ -176,7 +182,8 @@ class FastDecoder:
         """One decoder step.
 
         tokens: (n, step+1) int64, the hypotheses so far (only the last column is read)
-        returns logits (n, 1, V) and, if need_attn, head-averaged cross-attention (n, S)
+        returns logits (n, 1, V') with V' >= ``self.vocab`` (columns past it are -inf) and,
+        if need_attn, head-averaged cross-attention (n, S)
         """
         dec = self.decoder
         t = self.step_idx
@@ -195,9 +202,29 @@ class FastDecoder:
             x, a = self._layer(l, i, x, need_attn and i == last_layer)
             if a is not None:
                 attn = a
-        logits = dec.output_projection(self._final_features(x).unsqueeze(1))
+        logits = self._project_out(self._final_features(x)).unsqueeze(1)
         self.step_idx += 1
         return logits, attn
+
+    def _project_out(self, x: Tensor) -> Tensor:
+        """Logits (rows, V') of final features x: (rows, C); V' >= self.vocab, the columns
+        past the vocabulary -inf."""
+        if self._padded_proj is not None and self._padded_proj.usable():
+            return self._padded_proj(x)
+        return self.decoder.output_projection(x)
+
+    def _weight_bound(self) -> Tuple[float, float]:
+        """(max_i ||W_i||_1, max|b|) of the output projection, recomputed only when the
+        weight changed (a full pass over the vocabulary: ~1 ms, a step's worth at batch 1)."""
+        proj = self.decoder.output_projection
+        w, b = proj.weight, proj.bias
+        key = (w._version, w.data_ptr(), None if b is None else (b._version, b.data_ptr()))
+        if getattr(self, "_w_bound_key", None) != key:
+            with torch.no_grad():
+                w_l1 = float(w.abs().sum(dim=1).amax())
+                b_max = float(b.abs().amax()) if b is not None else 0.0
+            self._w_bound_cache, self._w_bound_key = (w_l1, b_max), key
+        return self._w_bound_cache
 
     def _logits_surely_finite(self, x: Tensor) -> bool:
         """Whether x @ W.T + b cannot overflow: |logit| <= max|x| * max_i ||W_i||_1 + max|b|.

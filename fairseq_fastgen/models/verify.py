@@ -53,8 +53,9 @@ class VerifyDecoder(FastDecoder):
     row's length = ``start_pos``) and ``select(rows)`` to drop finished rows.
     """
 
-    def __init__(self, model):
-        super().__init__(model, shared_encoder=True, kv_cache=True, bitwise=False)
+    def __init__(self, model, vocab_pad: bool = True):
+        super().__init__(model, shared_encoder=True, kv_cache=True, bitwise=False,
+                         vocab_pad=vocab_pad)
         self._ctx = None
 
     def start(self, encoder_out: Optional[dict], bsz: int, max_len: int, max_block: int) -> None:
@@ -76,8 +77,8 @@ class VerifyDecoder(FastDecoder):
     def forward(self, tokens: Tensor, start_pos: Tensor, out_rows: Optional[Tensor] = None) -> Tensor:
         """tokens: (n, L) int64, row r's tokens at positions start_pos[r] + 0..L-1.
 
-        Returns logits (m, V) of the flat positions ``out_rows`` (indices into n*L;
-        all when None)."""
+        Returns logits (m, V') of the flat positions ``out_rows`` (indices into n*L;
+        all when None); V' >= ``self.vocab``, the columns past it -inf."""
         dec = self.decoder
         n, L = tokens.shape
         x = dec.embed_scale * dec.embed_tokens(tokens)
@@ -105,7 +106,7 @@ class VerifyDecoder(FastDecoder):
             x, _ = self._layer(l, i, x, False)
         if out_rows is not None:
             x = x.index_select(0, out_rows)
-        return dec.output_projection(self._final_features(x))
+        return self._project_out(self._final_features(x))
 
     def _self_attention(self, l: _Layer, cache: RaggedKVCache, x: Tensor) -> Tensor:
         sa = l.layer.self_attn

@@ -165,7 +165,7 @@ class AggressiveGreedy:
     def __init__(self, gen):
         self.gen = gen
         self.model = gen.model.models[0]
-        self.vd = VerifyDecoder(self.model)
+        self.vd = VerifyDecoder(self.model, vocab_pad=gen.fastgen.vocab_pad)
         self.stats = AcceptanceStats()
         self._seen_s = self._seen_f = 0.0
         self.substitutions = SubstitutionMemory(len(gen.tgt_dict))
@@ -399,7 +399,7 @@ class AggressiveGreedy:
         if gen.temperature != 1.0:
             logits = logits.div_(gen.temperature)
         probs = self.model.get_normalized_probs((logits.unsqueeze(1), None), log_probs=True, sample=None)
-        return probs[:, 0, :]
+        return probs[:, 0, : self.vd.vocab]
 
     def _apply_rules(self, lprobs: Tensor, steps: Tensor, rr: Tensor, tokens: Tensor, inp: Tensor,
                      t: Tensor, max_len: int, prefix_tokens: Optional[Tensor]) -> None:

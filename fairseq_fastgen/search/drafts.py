@@ -221,7 +221,7 @@ class DraftModelDrafts:
             early = step < self.min_len
             if bool(early.any()):
                 logits[early, self.eos] = float("-inf")
-        return logits.argmax(dim=-1)
+        return logits[:, : self.vd.vocab].argmax(dim=-1)
 
     def advance(self, start: Tensor, accepted: Tensor, drafted: Tensor, moved: Tensor) -> None:
         # draft-cache positions t+1 .. t+a hold accepted tokens; the bonus is not cached

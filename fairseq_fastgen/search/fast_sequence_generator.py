@@ -103,7 +103,7 @@ class FastSequenceGenerator(SequenceGenerator):
             cfg = self.fastgen
             self._fast_decoders = [
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
-                            bitwise=cfg.bitwise)
+                            bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad)
                 for m in self.model.models
             ]
         return self._fast_decoders
@@ -286,7 +286,7 @@ class FastSequenceGenerator(SequenceGenerator):
             if self.temperature != 1.0:
                 logits = logits.div_(self.temperature)
             probs = d.model.get_normalized_probs((logits, None), log_probs=True, sample=None)
-            probs = probs[:, -1, :]
+            probs = probs[:, -1, : d.vocab]
             if len(decoders) == 1:
                 return probs, attn
             log_probs.append(probs)

@@ -1,0 +1,100 @@
+"""Fork server for the benchmark suite: ``fairseq-generate`` runs without paying the imports.
+
+Importing torch + fairseq takes ~7 s of a 2-core machine; a suite of ~150 short runs would
+spend a third of its 30 minutes importing.  A server imports once (stock fairseq, or fairseq
+with the plugin loaded through ``--user-dir`` exactly as the CLI loads it, or stock with
+fairseq #4709 fixed), then forks one child per request that runs fairseq's own
+``fairseq_cli.generate.cli_main`` with the request's argv, stdout and stderr redirected to
+files.  The child is a full ``fairseq-generate`` process minus the import time; its peak RSS
+(``os.wait4``) includes the inherited imports, as a fresh process's would.  CPU only: nothing
+here initializes CUDA or an OpenMP pool before forking (both are not fork-safe).
+
+Protocol: one JSON request per stdin line ``{"argv": [...], "stdout": path, "stderr": path}``;
+one JSON reply per stdout line ``{"code": int, "maxrss_mb": float, "wall": float}``.
+
+    python benchmarks/fork_server.py stock|plugin|fixed
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = str(ROOT / "fairseq_fastgen")
+
+
+def _prepare(mode: str) -> None:
+    import fairseq_cli.generate  # noqa: F401  (the import being amortized)
+    from fairseq import utils
+
+    if mode in ("plugin", "stock-routed"):
+        # the same import fairseq does for --user-dir, so the child's own --user-dir is a no-op
+        utils.import_user_module(argparse.Namespace(user_dir=PLUGIN_DIR))
+    elif mode == "fixed":
+        sys.path.insert(0, str(ROOT))
+        from fairseq.ngram_repeat_block import NGramRepeatBlock
+
+        import fairseq_fastgen
+        from fairseq_fastgen.search.ngram_blocker import corrected_stock_loop
+
+        fairseq_fastgen.uninstall()
+
+        def _fixed(self, tokens, lprobs, bsz, beam_size, step):
+            return corrected_stock_loop(tokens, lprobs, bsz, beam_size, step, self.no_repeat_ngram_size)
+
+        NGramRepeatBlock._no_repeat_ngram = _fixed
+
+
+def _child(req) -> None:
+    code = 0
+    try:
+        out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        sys.stdin = open(os.devnull)
+        sys.argv = ["fairseq-generate", *req["argv"]]
+        from fairseq_cli.generate import cli_main
+
+        cli_main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001  (report like an uncaught exception would)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(mode: str) -> None:
+    # replies go to the original stdout; anything the imports print goes to stderr
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    _prepare(mode)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            _child(req)
+        _, status, usage = os.wait4(pid, 0)
+        reply.write(json.dumps(dict(code=os.waitstatus_to_exitcode(status),
+                                    maxrss_mb=usage.ru_maxrss / 1024,
+                                    wall=time.perf_counter() - t0)) + "\n")
+        reply.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,73 @@
+"""Output projection with the vocabulary dimension padded for the BLAS.
+
+A vocabulary of, say, 6,003 words makes the (rows, C) x (C, V) output projection run at
+about half the speed of the same GEMM with V a multiple of 64 (MKL on AVX2, measured in
+benchmarks/results: 25.7 ms vs 13.6 ms for 320 x 256 x 6003, 1 thread).  This module
+keeps a zero-padded copy of the weight, and a bias whose padding columns are -inf, and
+returns the (rows, Vp) product: the first V columns are the logits, computed by a
+differently blocked GEMM (equal in most shapes, within float rounding otherwise, so a
+lossless-mode optimization only, off in bitwise mode); the padding columns are -inf, so
+log_softmax over the whole contiguous row gives the same distribution (they add exact
+zeros to the sum) and the caller slices ``[..., :V]`` afterwards.  Slicing the logits
+before log_softmax instead would make log_softmax copy a strided input, losing most of
+the gain.
+
+The copy costs one extra output embedding in memory; it is rebuilt whenever the model's
+weight changes (``fairseq-train --eval-bleu`` trains between validations), detected by
+the tensor's version counter and storage pointer.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+PAD_MULTIPLE = 64
+
+
+class PaddedProjection:
+    """Callable ``(rows, C) -> (rows, Vp)``: ``linear(x)`` up to GEMM rounding, then -inf."""
+
+    def __init__(self, linear: nn.Linear, multiple: int = PAD_MULTIPLE):
+        self.linear = linear
+        self.multiple = multiple
+        self._key: Optional[Tuple[int, int, int]] = None
+        self._wt: Optional[Tensor] = None  # (C, Vp) contiguous
+        self._bias: Optional[Tensor] = None  # (Vp,): the linear's bias, then -inf
+
+    @staticmethod
+    def worthwhile(linear: nn.Module, multiple: int = PAD_MULTIPLE) -> bool:
+        """Only a plain nn.Linear whose output size is not already aligned."""
+        return isinstance(linear, nn.Linear) and linear.out_features % multiple != 0
+
+    def usable(self) -> bool:
+        """CPU BLAS only: cuBLAS has no such cliff, and CUDA n-gram kernels index the
+        log-probabilities as a contiguous (rows, V) buffer."""
+        return self.linear.weight.device.type == "cpu"
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x: (rows, C) float; returns (rows, Vp) contiguous: logits, then -inf columns."""
+        wt, bias = self._padded()
+        if bias is None:
+            # zero weight columns give 0, overwritten by -inf: cheaper than addmm's
+            # broadcast copy of a (Vp,) bias into the whole output
+            out = torch.mm(x, wt)
+            out[:, self.linear.out_features:] = float("-inf")
+            return out
+        return torch.addmm(bias, x, wt)
+
+    def _padded(self) -> Tuple[Tensor, Optional[Tensor]]:
+        w, b = self.linear.weight, self.linear.bias
+        key = (w._version, w.data_ptr(), -1 if b is None else b._version)
+        if key != self._key:
+            with torch.no_grad():
+                v, c = w.shape
+                vp = -(-v // self.multiple) * self.multiple
+                wt = w.new_zeros(c, vp)
+                wt[:, :v] = w.t()
+                self._wt = wt
+                self._bias = None
+                if b is not None:
+                    self._bias = b.new_full((vp,), float("-inf"))
+                    self._bias[:v] = b
+            self._key = key
+        return self._wt, self._bias
