@@ -700,6 +700,22 @@ def headline(res):
             "fixed, see BENCHMARKS.md).\n\n" + "\n".join(lines))
 
 
+def noise_line(res):
+    """How far repeated runs of the same system in the same cell disagree: the yardstick for
+    reading a speed-up (a difference smaller than this is not a measured effect)."""
+    spreads = sorted(max(r["gen_s_all"]) / min(r["gen_s_all"]) - 1
+                     for c in res["cells"] if not c.get("copy") for r in c["systems"].values()
+                     if len([t for t in r.get("gen_s_all", []) if t]) > 1 and all(r["gen_s_all"]))
+    if not spreads:
+        return "* Run-to-run spread: not measured (one round per system)."
+    med, p90 = statistics.median(spreads), spreads[int(0.9 * (len(spreads) - 1))]
+    return (f"* Run-to-run spread on this machine (same system, same cell, (max/min - 1) of its rounds, "
+            f"{len(spreads)} system-cells): median {100 * med:.0f}%, 90th percentile {100 * p90:.0f}%, largest "
+            f"{100 * spreads[-1]:.0f}%. A speed-up (a ratio of two such minima) that differs from another by "
+            "less than this is not a measured effect; single cells, especially the small batch-1 and batch-8 "
+            "ones and the ablation variants, should be read with that in mind.")
+
+
 def report(res, files, path, argv):
     m = res["machine"]
     rel = lambda p: os.path.relpath(p, path.parent)  # noqa: E731
@@ -737,6 +753,7 @@ def report(res, files, path, argv):
           + ("model loading included, imports excluded (forked after them; CTranslate2's process includes its "
              "import)" if res["config"].get("fork_server") else "model loading and imports included")
           + ". Medians are in results.json.",
+          noise_line(res),
           "* x limit uses the fp32 (or fp16) GEMM peak, so int8 systems can approach or beat 1.0.",
           "* Generated tokens: hypothesis tokens incl. EOS (fairseq's count; CTranslate2: pieces + 1).",
           "* Peak RSS: the process's own maximum resident set (os.wait4), i.e. including Python, torch and "
