@@ -47,7 +47,7 @@ GRID = {
                  ablation=dict(beam=5, batch=32, ngram=3),
                  scale_models=["es-en"], scale_lengths=[16, 64, 256, 512], scale_n=4, scale_batch=4,
                  scale_beams=[1, 4, 8, 12], scale_beam_n=16, scale_beam_batch=16,
-                 repeats=2, repeats_ngram=2, repeats_ct2=1, scale_repeats=1),
+                 repeats=2, repeats_ngram=2, repeats_ct2=1, scale_repeats=2),
     "quick": dict(models=["es-en"], beams=[5], batches=[8], ngrams=[0, 3],
                   ablation=dict(beam=5, batch=8, ngram=3),
                   scale_models=["es-en"], scale_lengths=[16, 64], scale_n=4, scale_batch=4,
@@ -742,8 +742,8 @@ def report(res, files, path, argv):
              "torch and fairseq (stock, or with the plugin loaded exactly as `--user-dir` loads it: "
              "`benchmarks/fork_server.py`), so that ~150 runs do not spend 7 s each importing; the child runs "
              "fairseq's own `cli_main` with the arguments above." if res["config"].get("fork_server") else ""),
-          f"* Repeats: {res['config']['repeats']} rounds ({res['config']['repeats_ngram']} in the other "
-          "--no-repeat-ngram-size cells, whose stock n-gram blocker is slow; "
+          f"* Repeats: {res['config']['repeats']} rounds per cell ({res['config']['repeats_ngram']} in the "
+          "--no-repeat-ngram-size cells other than the ablation cell; "
           f"{res['config']['scale_repeats']} in the scaling study; CTranslate2 "
           f"{res['config'].get('repeats_ct2', res['config']['repeats'])}), every system once per round, order rotated each round; "
           "times are the minimum of fairseq's own generation time (`Translated ... in Xs`, model loading excluded; "
