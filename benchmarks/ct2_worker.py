@@ -9,9 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-MAX_LEN_B = 200  # as suite.MAX_LEN_B: fairseq's default max_len_b (tokens before EOS)
-
-
 def ct2_worker(spec_path):
     import ctranslate2
 
@@ -21,7 +18,7 @@ def ct2_worker(spec_path):
     t0 = time.perf_counter()
     res = tr.translate_batch(s["sources"], max_batch_size=s["batch"], batch_type="examples",
                              beam_size=s["beam"], length_penalty=1.0, no_repeat_ngram_size=s["ngram"],
-                             max_decoding_length=MAX_LEN_B + 1, min_decoding_length=1,
+                             max_decoding_length=s["max_decoding_length"], min_decoding_length=1,
                              max_input_length=0)
     dt = time.perf_counter() - t0
     hyps = [r.hypotheses[0] for r in res]

@@ -33,18 +33,12 @@ def _prepare(mode: str) -> None:
         # the same import fairseq does for --user-dir, so the child's own --user-dir is a no-op
         utils.import_user_module(argparse.Namespace(user_dir=PLUGIN_DIR))
     elif mode == "fixed":
-        sys.path.insert(0, str(ROOT))
-        from fairseq.ngram_repeat_block import NGramRepeatBlock
+        # the reference script patches fairseq's CPU n-gram loop on import (and nothing else)
+        import importlib.util
 
-        import fairseq_fastgen
-        from fairseq_fastgen.search.ngram_blocker import corrected_stock_loop
-
-        fairseq_fastgen.uninstall()
-
-        def _fixed(self, tokens, lprobs, bsz, beam_size, step):
-            return corrected_stock_loop(tokens, lprobs, bsz, beam_size, step, self.no_repeat_ngram_size)
-
-        NGramRepeatBlock._no_repeat_ngram = _fixed
+        script = ROOT / "tests" / "scripts" / "stock_generate_fixed_ngram.py"
+        spec = importlib.util.spec_from_file_location("stock_generate_fixed_ngram", script)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def _child(req) -> None:

@@ -72,21 +72,8 @@ cli_main()
 
 # Reference for --no-repeat-ngram-size on CPU: stock fairseq-generate with only fairseq #4709
 # fixed (its CPU blocker compares trailing padding and bans nothing); fastgen's blocker has the
-# CUDA kernel's semantics.  Same as tests/scripts/stock_generate_fixed_ngram.py.
-FIXED_NGRAM_LAUNCH = r"""
-import sys
-sys.path.insert(0, %r)
-from fairseq.ngram_repeat_block import NGramRepeatBlock
-import fairseq_fastgen
-from fairseq_fastgen.search.ngram_blocker import corrected_stock_loop
-fairseq_fastgen.uninstall()
-def _fixed(self, tokens, lprobs, bsz, beam_size, step):
-    return corrected_stock_loop(tokens, lprobs, bsz, beam_size, step, self.no_repeat_ngram_size)
-NGramRepeatBlock._no_repeat_ngram = _fixed
-sys.argv[0] = "fairseq-generate"
-from fairseq_cli.generate import cli_main
-cli_main()
-""" % str(ROOT)
+# CUDA kernel's semantics.  The same script is the reference of tests/test_ngram_e2e.py.
+FIXED_NGRAM_SCRIPT = ROOT / "tests" / "scripts" / "stock_generate_fixed_ngram.py"
 
 
 def log(*a):
@@ -275,7 +262,7 @@ class ForkServers:
         self.scratch.mkdir(parents=True, exist_ok=True)
 
     def run(self, mode, argv):
-        from fairseq_fastgen.compare import Run, _TRANSLATED
+        from fairseq_fastgen.compare import Run
 
         p = self._server(mode)
         self.n += 1
@@ -289,10 +276,7 @@ class ForkServers:
         stdout, stderr = so.read_text(), se.read_text()
         so.unlink()
         se.unlink()
-        m = _TRANSLATED.search(stderr)
-        return Run(stdout, stderr, rep["wall"], float(m.group(3)) if m else None,
-                   int(m.group(1).replace(",", "")) if m else None,
-                   int(m.group(2).replace(",", "")) if m else None, rep["code"], rep["maxrss_mb"])
+        return Run.parse(stdout, stderr, rep["wall"], rep["code"], rep["maxrss_mb"])
 
     def _server(self, mode):
         if mode not in self.procs:
@@ -339,15 +323,12 @@ def run_fairseq(args, plugin, plugin_args, threads, device):
         env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     else:
         env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    from fairseq_fastgen.compare import Run, _TRANSLATED
+    from fairseq_fastgen.compare import Run
 
     t0 = time.perf_counter()
     so, se, code, rss = _run_measured(cmd, env, None)
-    wall = time.perf_counter() - t0
-    m = _TRANSLATED.search(se)
+    r = Run.parse(so, se, time.perf_counter() - t0, code, rss)
     g = re.search(r"SUITE_PEAK_GPU_MB ([\d.]+)", se)
-    r = Run(so, se, wall, float(m.group(3)) if m else None, int(m.group(1).replace(",", "")) if m else None,
-            int(m.group(2).replace(",", "")) if m else None, code, rss)
     return _precise_gen_time(r), float(g.group(1)) if g else None
 
 
@@ -373,6 +354,7 @@ def run_ct2(out, model_dir, compute_type, sources, beam, batch, ngram, threads, 
     res = out / "ct2" / "result.json"
     spec.write_text(json.dumps(dict(model_dir=str(model_dir), compute_type=compute_type, device=device,
                                     threads=threads, beam=beam, batch=batch, ngram=ngram,
+                                    max_decoding_length=MAX_LEN_B + 1,
                                     sources=sources, out=str(res))))
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
@@ -447,14 +429,14 @@ def run_group(ctx, model, split, beam, batch, ngram, precision, variants, with_c
                                        peak_rss_mb=r.peak_rss_mb, peak_gpu_mb=gpu, stdout=r.stdout, flags=flags or []))
     stock_out = runs["stock"][0]["stdout"]
     fixed_out = None
-    if ngram and ctx.device == "cpu":  # see FIXED_NGRAM_LAUNCH: the lossless reference for fastgen
+    if ngram and ctx.device == "cpu":  # see FIXED_NGRAM_SCRIPT: the lossless reference for fastgen
         if SERVERS is not None:
             fr = SERVERS.run("fixed", a)
             fixed_out, se, code = fr.stdout, fr.stderr, fr.returncode
         else:
             env = dict(os.environ, TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1", PYTHONWARNINGS="ignore",
                        OMP_NUM_THREADS=str(ctx.threads), MKL_NUM_THREADS=str(ctx.threads))
-            fixed_out, se, code, _ = _run_measured([sys.executable, "-c", FIXED_NGRAM_LAUNCH, *a], env, None)
+            fixed_out, se, code, _ = _run_measured([sys.executable, str(FIXED_NGRAM_SCRIPT), *a], env, None)
         if code != 0:
             raise RuntimeError(f"stock with #4709 fixed failed on {tag}:\n{se[-3000:]}")
     s_hyps, refs, plen = hyps_refs(stock_out)

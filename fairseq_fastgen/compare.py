@@ -48,6 +48,17 @@ class Run:
     returncode: int
     peak_rss_mb: float = 0.0
 
+    @classmethod
+    def parse(cls, stdout: str, stderr: str, wall: float, returncode: int,
+              peak_rss_mb: float = 0.0) -> "Run":
+        """A finished fairseq-generate run, its "Translated ..." summary line read."""
+        m = _TRANSLATED.search(stderr)
+        return cls(stdout, stderr, wall,
+                   float(m.group(3)) if m else None,
+                   int(m.group(1).replace(",", "")) if m else None,
+                   int(m.group(2).replace(",", "")) if m else None,
+                   returncode, peak_rss_mb)
+
 
 @dataclass
 class Comparison:
@@ -90,12 +101,7 @@ def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] =
     t0 = time.perf_counter()
     stdout, stderr, code, rss = _run_measured(cmd, e, stdin)
     wall = time.perf_counter() - t0
-    m = _TRANSLATED.search(stderr)
-    return Run(stdout, stderr, wall,
-               float(m.group(3)) if m else None,
-               int(m.group(1).replace(",", "")) if m else None,
-               int(m.group(2).replace(",", "")) if m else None,
-               code, rss)
+    return Run.parse(stdout, stderr, wall, code, rss)
 
 
 def _run_measured(cmd, env, stdin):

@@ -29,7 +29,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from .cached_attention import CrossAttentionCache
 from .kv_cache import KVCache
-from .padded_projection import PaddedProjection
+from .padded_projection import PaddedProjection, params_key
 
 
 def unsupported_reason(model) -> Optional[str]:
@@ -134,6 +134,8 @@ class FastDecoder:
         # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
         # callers normalize whole rows, then keep [..., :vocab]
         self.vocab = proj.out_features if proj is not None else len(self.decoder.dictionary)
+        self._w_bound_key: Optional[tuple] = None  # params_key of the cached _weight_bound
+        self._w_bound_cache: Tuple[float, float] = (0.0, 0.0)
 
     # ---- per batch ----------------------------------------------------------------
 
@@ -218,8 +220,8 @@ class FastDecoder:
         weight changed (a full pass over the vocabulary: ~1 ms, a step's worth at batch 1)."""
         proj = self.decoder.output_projection
         w, b = proj.weight, proj.bias
-        key = (w._version, w.data_ptr(), None if b is None else (b._version, b.data_ptr()))
-        if getattr(self, "_w_bound_key", None) != key:
+        key = params_key(w, b)
+        if self._w_bound_key != key:
             with torch.no_grad():
                 w_l1 = float(w.abs().sum(dim=1).amax())
                 b_max = float(b.abs().amax()) if b is not None else 0.0

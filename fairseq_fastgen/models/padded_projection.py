@@ -24,13 +24,19 @@ from torch import Tensor, nn
 PAD_MULTIPLE = 64
 
 
+def params_key(*params: Optional[Tensor]) -> tuple:
+    """Changes whenever any of ``params`` is updated in place (version counter) or replaced
+    (storage pointer): the key of caches derived from model weights."""
+    return tuple(None if p is None else (p._version, p.data_ptr()) for p in params)
+
+
 class PaddedProjection:
     """Callable ``(rows, C) -> (rows, Vp)``: ``linear(x)`` up to GEMM rounding, then -inf."""
 
     def __init__(self, linear: nn.Linear, multiple: int = PAD_MULTIPLE):
         self.linear = linear
         self.multiple = multiple
-        self._key: Optional[Tuple[int, int, int]] = None
+        self._key: Optional[tuple] = None
         self._wt: Optional[Tensor] = None  # (C, Vp) contiguous
         self._bias: Optional[Tensor] = None  # (Vp,): the linear's bias, then -inf
 
@@ -57,7 +63,7 @@ class PaddedProjection:
 
     def _padded(self) -> Tuple[Tensor, Optional[Tensor]]:
         w, b = self.linear.weight, self.linear.bias
-        key = (w._version, w.data_ptr(), -1 if b is None else b._version)
+        key = params_key(w, b)
         if key != self._key:
             with torch.no_grad():
                 v, c = w.shape
