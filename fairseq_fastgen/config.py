@@ -108,6 +108,16 @@ class FastGenConfig:
             "(the cores decoding leaves free, 1 to 4; 1 on a 2-core machine)"
         },
     )
+    decode_workers: int = field(
+        default=0,
+        metadata={
+            "help": "CPU fairseq-generate: decode batches side by side in this many forked "
+            "worker processes (torch threads shared out between them; each worker also "
+            "postprocesses its batches); 0: auto (one per torch thread, at most 8, at least "
+            "2 batches each); 1: decode in the main process. Not used on a GPU, for "
+            "sampling or --retain-dropout"
+        },
+    )
     keep_last_batch: bool = field(
         default=False,
         metadata={

@@ -162,7 +162,8 @@ def test_block_pass_matches_one_token_steps():
         ref.start(enc, n, 1, 40)
         bos = torch.full((n, 1), task.target_dictionary.eos())
         full = torch.cat([bos, seqs], dim=1)
-        want = [ref.step(full[:, : i + 1], False)[0][:, 0] for i in range(T)]
+        # one-token steps give log-probabilities; the block pass gives logits
+        want = [ref.step(full[:, : i + 1], False)[0] for i in range(T)]
         vd = VerifyDecoder(m)
         vd.start(enc, n, 40, 8)
         t = torch.zeros(n, dtype=torch.long)
@@ -175,7 +176,7 @@ def test_block_pass_matches_one_token_steps():
             for r in range(n):
                 k = int(take[r])
                 block[r, :k] = full[r, int(t[r]): int(t[r]) + k]
-            logits = vd.forward(block, t, None).view(n, L, -1)
+            logits = torch.log_softmax(vd.forward(block, t, None), -1).view(n, L, -1)
             for r in range(n):
                 for j in range(int(take[r])):
                     if int(t[r]) + j < T:

@@ -262,7 +262,7 @@ def test_pool_order_bound_and_fast_failure(monkeypatch):
 
     d, state = _tiny_state()
     written, in_flight = [], []
-    pool = _Pool(state, 3, lambda result, side: written.append(result[0]))
+    pool = _Pool(state, 3, lambda result, side, stats: written.append(result[0]))
     try:
         for sid in range(60):
             pool.submit(_record(d, sid))
@@ -275,7 +275,7 @@ def test_pool_order_bound_and_fast_failure(monkeypatch):
     assert written[0].startswith("S-0\t") and "\nH-0\t-0.5\t" in written[0]
 
     monkeypatch.setenv(FAULT_ENV, "exit")
-    pool = _Pool(state, 2, lambda result, side: None)
+    pool = _Pool(state, 2, lambda result, side, stats: None)
     t0 = time.perf_counter()
     with pytest.raises(PipelineWorkerError, match="died with exit code 3"):
         try:

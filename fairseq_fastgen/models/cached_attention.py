@@ -28,10 +28,13 @@ class CrossAttentionCache:
     """One decoder layer's encoder-decoder attention over a batch of sentences."""
 
     def __init__(self, attn, enc: Tensor, pad_mask: Optional[Tensor], beam: int,
-                 shared: bool = True, bitwise: bool = False):
+                 shared: bool = True, bitwise: bool = False, q_proj=None, out_proj=None):
         """attn: the layer's fairseq MultiheadAttention; enc: (S, bsz, C_enc) encoder
-        output of each sentence once; pad_mask: (bsz, S) bool, True at padding."""
+        output of each sentence once; pad_mask: (bsz, S) bool, True at padding;
+        q_proj/out_proj: callables for the query/output projections (default: attn's)."""
         self.attn = attn
+        self.q_proj = q_proj or attn.q_proj
+        self.out_proj = out_proj or attn.out_proj
         self.beam = beam
         self.heads = attn.num_heads
         self.head_dim = attn.head_dim
@@ -71,29 +74,32 @@ class CrossAttentionCache:
         else:
             self.k, self.v, self.pad = self._rows(order, 1)
 
-    def attend(self, x: Tensor, need_attn: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """x: (n, C) queries, n = bsz*beam. Returns (n, C) output and optionally the
-        head-averaged attention (n, S)."""
+    def attend(self, x: Tensor, need_attn: bool, beam: Optional[int] = None
+               ) -> Tuple[Tensor, Optional[Tensor]]:
+        """x: (n, C) queries, n = bsz*beam (``beam`` may be 1 with one copy per sentence:
+        the first step). Returns (n, C) output and optionally the head-averaged attention
+        (n, S)."""
         a = self.attn
         n, c = x.shape
-        q = a.q_proj(x)
+        q = self.q_proj(x)
         q *= a.scaling
         s = self.k.size(1)
         if self.merged:
-            bsz = n // self.beam
-            q = q.view(bsz, self.beam, self.heads, self.head_dim).transpose(1, 2)
-            q = q.reshape(bsz * self.heads, self.beam, self.head_dim)
+            beam = beam or self.beam
+            bsz = n // beam
+            q = q.view(bsz, beam, self.heads, self.head_dim).transpose(1, 2)
+            q = q.reshape(bsz * self.heads, beam, self.head_dim)
             w = torch.bmm(q, self.k.transpose(1, 2))  # (bsz*H, beam, S)
             if self.pad is not None:
-                w = w.view(bsz, self.heads, self.beam, s).masked_fill(
-                    self.pad.view(bsz, 1, 1, s), float("-inf")).view(-1, self.beam, s)
+                w = w.view(bsz, self.heads, beam, s).masked_fill(
+                    self.pad.view(bsz, 1, 1, s), float("-inf")).view(-1, beam, s)
             p = F.softmax(w, dim=-1, dtype=torch.float32)
             out = torch.bmm(p.type_as(w), self.v)  # (bsz*H, beam, hd)
-            out = out.view(bsz, self.heads, self.beam, self.head_dim).transpose(1, 2)
-            out = a.out_proj(out.reshape(n, c))
+            out = out.view(bsz, self.heads, beam, self.head_dim).transpose(1, 2)
+            out = self.out_proj(out.reshape(n, c))
             attn = None
             if need_attn:
-                attn = p.view(bsz, self.heads, self.beam, s).transpose(0, 1).reshape(
+                attn = p.view(bsz, self.heads, beam, s).transpose(0, 1).reshape(
                     self.heads, n, s).mean(dim=0)
             return out, attn
         if self.einsum:
@@ -105,7 +111,7 @@ class CrossAttentionCache:
                 self.pad.view(n, 1, 1, s), float("-inf")).view(n * self.heads, 1, s)
         p = F.softmax(w, dim=-1, dtype=torch.float32)
         out = torch.bmm(p.type_as(w), self.v).view(n, c)
-        out = a.out_proj(out)
+        out = self.out_proj(out)
         attn = None
         if need_attn:
             attn = p.view(n, self.heads, 1, s).transpose(1, 0).mean(dim=0)[:, -1, :]
@@ -128,7 +134,7 @@ class CrossAttentionCache:
         out = torch.einsum("bxhts,bhsd->bxhtd", probs.view((kv_bsz, -1, h) + probs.size()[1:]),
                            self.v.view((kv_bsz, h) + self.v.size()[1:]))
         out = out.reshape((-1,) + out.size()[-2:])
-        out = a.out_proj(out.transpose(0, 1).contiguous().view(n, c))
+        out = self.out_proj(out.transpose(0, 1).contiguous().view(n, c))
         attn = None
         if need_attn:
             attn = p.view(n, h, 1, s).transpose(1, 0).mean(dim=0)[:, -1, :]

@@ -29,7 +29,29 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from .cached_attention import CrossAttentionCache
 from .kv_cache import KVCache
+from .linear import TransposedLinear, projection, refresh_all
 from .padded_projection import PaddedProjection, params_key
+
+
+LPROB_BLOCK = 128  # rows per block of the blocked output projection + log_softmax
+
+
+def standard_normalization(model) -> bool:
+    """Whether ``model.get_normalized_probs`` is fairseq's log_softmax of the logits (no
+    override anywhere in the chain, no ONNX tracing)."""
+    from fairseq.models import BaseFairseqModel, FairseqDecoder
+    from fairseq.models.transformer import TransformerModelBase
+
+    dec = getattr(model, "decoder", None)
+    if dec is None or getattr(dec, "adaptive_softmax", None) is not None or getattr(dec, "onnx_trace", False):
+        return False
+    own = (BaseFairseqModel.get_normalized_probs, TransformerModelBase.get_normalized_probs)
+    return (type(model).get_normalized_probs in own
+            and type(model).get_normalized_probs_scriptable
+            is BaseFairseqModel.get_normalized_probs_scriptable
+            and type(dec).get_normalized_probs is FairseqDecoder.get_normalized_probs
+            and type(dec).get_normalized_probs_scriptable
+            is FairseqDecoder.get_normalized_probs_scriptable)
 
 
 def unsupported_reason(model) -> Optional[str]:
@@ -84,24 +106,28 @@ def _layer_unsupported(layer) -> Optional[str]:
 
 
 class _Layer:
-    """Per-layer weights gathered once (views of the model's own parameters)."""
+    """Per-layer projections gathered once: the model's own modules (bitwise mode), or
+    :class:`~fairseq_fastgen.models.linear.TransposedLinear` copies of their weights
+    (lossless mode; q/k/v fused into one GEMM)."""
 
-    def __init__(self, layer: TransformerDecoderLayerBase, fuse_qkv: bool):
-        sa = layer.self_attn
+    def __init__(self, layer: TransformerDecoderLayerBase, lossless: bool):
+        sa, ea = layer.self_attn, layer.encoder_attn
         self.layer = layer
         self.heads = sa.num_heads
         self.head_dim = sa.head_dim
         self.dim = sa.embed_dim
         self.scaling = sa.scaling
-        self.fuse = fuse_qkv and all(p.bias is not None for p in (sa.q_proj, sa.k_proj, sa.v_proj))
-        self.fused_w = self.fused_b = None
+        qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
+        self.qkv = TransposedLinear(qkv) if lossless and TransposedLinear.usable(qkv) else None
+        self.sa_out = projection([sa.out_proj], lossless)
+        self.fc1 = projection([layer.fc1], lossless)
+        self.fc2 = projection([layer.fc2], lossless)
+        self.ea_q = projection([ea.q_proj], lossless) if ea is not None else None
+        self.ea_out = projection([ea.out_proj], lossless) if ea is not None else None
 
     def refresh(self) -> None:
-        """Re-read the fused q/k/v weights (the model may have trained since last batch)."""
-        if self.fuse:
-            sa = self.layer.self_attn
-            self.fused_w = torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight])
-            self.fused_b = torch.cat([sa.q_proj.bias, sa.k_proj.bias, sa.v_proj.bias])
+        """Re-read copied weights that changed (the model may have trained since)."""
+        refresh_all([self.qkv, self.sa_out, self.fc1, self.fc2, self.ea_q, self.ea_out])
 
 
 class FastDecoder:
@@ -118,9 +144,9 @@ class FastDecoder:
         self.shared_encoder = shared_encoder
         self.kv_cache = kv_cache
         self.bitwise = bitwise
-        # Fusing q/k/v into one GEMM changes the GEMM's N dimension only; kept out of
-        # bitwise mode since BLAS may block the reduction differently for another N.
-        self.layers = [_Layer(l, fuse_qkv=not bitwise) for l in self.decoder.layers]
+        # Fused q/k/v and transposed weight copies change GEMM shapes/kernels (last bits):
+        # lossless mode only.
+        self.layers = [_Layer(l, lossless=not bitwise) for l in self.decoder.layers]
         self._positions: Optional[Tensor] = None
         self.self_kv: List[KVCache] = []
         self.cross: List[Optional[CrossAttentionCache]] = []
@@ -133,6 +159,10 @@ class FastDecoder:
             if vocab_pad and not bitwise and PaddedProjection.worthwhile(proj) else None)
         # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
         # callers normalize whole rows, then keep [..., :vocab]
+        self._out_t = projection([proj], transposed=not bitwise) if proj is not None else None
+        # blocked output projection + log_softmax (another GEMM blocking: lossless mode)
+        self._blocked_lprobs = not bitwise and proj is not None and standard_normalization(model)
+        self._lprob_buf: Optional[Tensor] = None
         self.vocab = proj.out_features if proj is not None else len(self.decoder.dictionary)
         self._w_bound_key: Optional[tuple] = None  # params_key of the cached _weight_bound
         self._w_bound_cache: Tuple[float, float] = (0.0, 0.0)
@@ -142,8 +172,11 @@ class FastDecoder:
     def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int) -> None:
         """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated)."""
         self.step_idx = 0
+        self.beam = beam
         for l in self.layers:
             l.refresh()
+        if not (self._padded_proj is not None and self._padded_proj.usable()):
+            refresh_all([self._out_t])
         self._positions = self._position_table(max_len + 1)
         self._w_bound = self._weight_bound()
         self.logits_finite = False
@@ -165,7 +198,13 @@ class FastDecoder:
                 self.cross.append(None)
             else:
                 self.cross.append(CrossAttentionCache(
-                    ea, enc, pad, beam, shared=self.shared_encoder, bitwise=self.bitwise))
+                    ea, enc, pad, beam, shared=self.shared_encoder, bitwise=self.bitwise,
+                    q_proj=l.ea_q, out_proj=l.ea_out))
+        # At step 0 every hypothesis of a sentence is the same (BOS, empty history): in
+        # lossless mode one row per sentence is computed and copied to the beam (fewer
+        # GEMM rows: last bits may differ), when cross-attention keeps one copy per sentence.
+        self._first_once = beam > 1 and not self.bitwise and all(
+            c is None or c.per_sentence for c in self.cross)
 
     def reorder(self, order: Tensor) -> None:
         """order: (n_new,) int64 row of the previous step each new hypothesis continues."""
@@ -180,16 +219,20 @@ class FastDecoder:
 
     # ---- per step -----------------------------------------------------------------
 
-    def step(self, tokens: Tensor, need_attn: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """One decoder step.
+    def step(self, tokens: Tensor, need_attn: bool, temperature: float = 1.0
+             ) -> Tuple[Tensor, Optional[Tensor]]:
+        """One decoder step: log-probabilities of the next word, as fairseq's
+        ``get_normalized_probs(..., log_probs=True)`` computes them from the logits divided
+        by ``temperature``.
 
         tokens: (n, step+1) int64, the hypotheses so far (only the last column is read)
-        returns logits (n, 1, V') with V' >= ``self.vocab`` (columns past it are -inf) and,
+        returns lprobs (n, V') float32 with V' >= ``self.vocab`` (columns past it -inf) and,
         if need_attn, head-averaged cross-attention (n, S)
         """
         dec = self.decoder
         t = self.step_idx
-        last = tokens[:, -1:]
+        rep = self.beam if t == 0 and self._first_once else 1
+        last = tokens[::rep, -1:]
         x = dec.embed_scale * dec.embed_tokens(last)
         if dec.project_in_dim is not None:
             x = dec.project_in_dim(x)
@@ -201,18 +244,56 @@ class FastDecoder:
         attn = None
         last_layer = len(self.layers) - 1
         for i, l in enumerate(self.layers):
-            x, a = self._layer(l, i, x, need_attn and i == last_layer)
+            x, a = self._layer(l, i, x, need_attn and i == last_layer, rep)
             if a is not None:
                 attn = a
-        logits = self._project_out(self._final_features(x)).unsqueeze(1)
+        lprobs = self._log_probs(self._final_features(x), temperature)
+        if rep > 1:  # one row per sentence computed: every hypothesis gets it
+            lprobs = lprobs.repeat_interleave(rep, dim=0)
+            if attn is not None:
+                attn = attn.repeat_interleave(rep, dim=0)
         self.step_idx += 1
-        return logits, attn
+        return lprobs, attn
+
+    def _log_probs(self, x: Tensor, temperature: float) -> Tensor:
+        """(rows, V') float32 log-probabilities of final features x: (rows, C).
+
+        In lossless mode on CPU with fairseq's own normalization, the output projection
+        and log_softmax run on blocks of ``LPROB_BLOCK`` rows into a buffer kept across
+        steps: each block's logits are normalized while still in cache instead of making
+        a round trip through memory (a (rows, vocab) matrix: megabytes per step).
+        """
+        rows = x.size(0)
+        if not self._blocked_lprobs or x.device.type != "cpu" or rows <= LPROB_BLOCK:
+            logits = self._project_out(x)
+            if temperature != 1.0:
+                logits = logits.div_(temperature)
+            return self.model.get_normalized_probs((logits.unsqueeze(1), None), log_probs=True,
+                                                   sample=None)[:, 0]
+        out = self._lprob_buffer(rows)
+        for i in range(0, rows, LPROB_BLOCK):
+            logits = self._project_out(x[i: i + LPROB_BLOCK])
+            if temperature != 1.0:
+                logits = logits.div_(temperature)
+            # = fairseq utils.log_softmax(logits, dim=-1) (float32)
+            torch.log_softmax(logits, dim=-1, out=out[i: i + LPROB_BLOCK])
+        return out
+
+    def _lprob_buffer(self, rows: int) -> Tensor:
+        cols = self._padded_proj.padded_size() if self._padded_proj is not None else self.vocab
+        buf = self._lprob_buf
+        if buf is None or buf.size(0) < rows or buf.size(1) != cols:
+            w = self.decoder.output_projection.weight
+            buf = self._lprob_buf = torch.empty(rows, cols, device=w.device, dtype=torch.float32)
+        return buf[:rows]
 
     def _project_out(self, x: Tensor) -> Tensor:
         """Logits (rows, V') of final features x: (rows, C); V' >= self.vocab, the columns
         past the vocabulary -inf."""
         if self._padded_proj is not None and self._padded_proj.usable():
             return self._padded_proj(x)
+        if self._out_t is not None:
+            return self._out_t(x)
         return self.decoder.output_projection(x)
 
     def _weight_bound(self) -> Tuple[float, float]:
@@ -238,12 +319,13 @@ class FastDecoder:
         bound = float(x.abs().amax()) * self._w_bound[0] + self._w_bound[1]
         return bound < 1e37  # far below float32's 3.4e38, above any rounding slack
 
-    def _layer(self, l: _Layer, i: int, x: Tensor, need_attn: bool):
+    def _layer(self, l: _Layer, i: int, x: Tensor, need_attn: bool, rep: int = 1):
+        """x: (rows, C), one row per hypothesis, or per sentence (rep = beam, step 0)."""
         layer = l.layer
         residual = x
         if layer.normalize_before:
             x = layer.self_attn_layer_norm(x)
-        x = self._self_attention(l, self.self_kv[i], x)
+        x = self._self_attention(l, self.self_kv[i], x, rep)
         x = layer.residual_connection(x, residual)
         if not layer.normalize_before:
             x = layer.self_attn_layer_norm(x)
@@ -253,15 +335,17 @@ class FastDecoder:
             residual = x
             if layer.normalize_before:
                 x = layer.encoder_attn_layer_norm(x)
-            x, attn = cross.attend(x, need_attn)
+            x, attn = cross.attend(x, need_attn, beam=1 if rep > 1 else None)
             x = layer.residual_connection(x, residual)
             if not layer.normalize_before:
                 x = layer.encoder_attn_layer_norm(x)
         residual = x
         if layer.normalize_before:
             x = layer.final_layer_norm(x)
-        x = layer.activation_fn(layer.fc1(x))
-        x = layer.fc2(x)
+        x = l.fc1(x)
+        # in place: the same relu without a second (rows, ffn) buffer
+        x = x.relu_() if layer.activation_fn is F.relu else layer.activation_fn(x)
+        x = l.fc2(x)
         x = layer.residual_connection(x, residual)
         if not layer.normalize_before:
             x = layer.final_layer_norm(x)
@@ -285,8 +369,8 @@ class FastDecoder:
         bitwise (then q/k/v GEMMs as stock computes them)."""
         sa = l.layer.self_attn
         c = x.size(-1)
-        if l.fused_w is not None:
-            qkv = F.linear(x, l.fused_w, l.fused_b)
+        if l.qkv is not None:
+            qkv = l.qkv(x)
             q, k, v = qkv[:, :c], qkv[:, c:2 * c], qkv[:, 2 * c:]
             return q * l.scaling, k, v
         q = sa.q_proj(x)
@@ -295,20 +379,21 @@ class FastDecoder:
         q *= l.scaling
         return q, k, v
 
-    def _self_attention(self, l: _Layer, cache: KVCache, x: Tensor) -> Tensor:
+    def _self_attention(self, l: _Layer, cache: KVCache, x: Tensor, rep: int = 1) -> Tensor:
         sa = l.layer.self_attn
         n, c = x.shape
         q, k, v = self._project_qkv(l, x)
-        keys, values = cache.append(k, v)  # (t+1, n, C) views
+        keys, values = cache.append(k, v, rep)  # (t+1, n, C) views
         t1 = keys.size(0)
         bh = n * l.heads
         q = q.reshape(bh, 1, l.head_dim)
-        keys = keys.view(t1, bh, l.head_dim).transpose(0, 1)
-        values = values.view(t1, bh, l.head_dim).transpose(0, 1)
+        # (a view, but for the strided rows of the first step's one-per-sentence queries)
+        keys = keys.reshape(t1, bh, l.head_dim).transpose(0, 1)
+        values = values.reshape(t1, bh, l.head_dim).transpose(0, 1)
         w = torch.bmm(q, keys.transpose(1, 2))
         p = F.softmax(w, dim=-1, dtype=torch.float32).type_as(w)
         out = torch.bmm(p, values).view(n, c)
-        return sa.out_proj(out)
+        return l.sa_out(out)
 
     # ---- helpers --------------------------------------------------------------------
 

@@ -28,8 +28,14 @@ class KVCache:
         self._spare_k = self._spare_v = None
         self.t = 0
 
-    def append(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
-        """Add this step's k, v: (n, C). Returns all keys and values so far: (t+1, n, C)."""
+    def append(self, k: Tensor, v: Tensor, rep: int = 1) -> Tuple[Tensor, Tensor]:
+        """Add this step's k, v: (n, C), or (n / rep, C) rows each repeated ``rep`` times.
+        Returns all keys and values so far of the given rows: (t+1, n / rep, C)."""
+        if rep > 1:
+            k = k.unsqueeze(1).expand(-1, rep, -1).reshape(-1, self.dim)
+            v = v.unsqueeze(1).expand(-1, rep, -1).reshape(-1, self.dim)
+            keys, values = self.append(k, v)
+            return keys[:, ::rep], values[:, ::rep]
         if not self.preallocate:
             # Ablation path: grow by concatenation, as fairseq does.
             self.k = torch.cat([self.k, k.unsqueeze(0)], 0)

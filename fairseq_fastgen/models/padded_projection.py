@@ -45,6 +45,11 @@ class PaddedProjection:
         """Only a plain nn.Linear whose output size is not already aligned."""
         return isinstance(linear, nn.Linear) and linear.out_features % multiple != 0
 
+    def padded_size(self) -> int:
+        """Vp: the output width, the vocabulary rounded up to the multiple."""
+        v = self.linear.out_features
+        return -(-v // self.multiple) * self.multiple
+
     def usable(self) -> bool:
         """CPU BLAS only: cuBLAS has no such cliff, and CUDA n-gram kernels index the
         log-probabilities as a contiguous (rows, V) buffer."""

@@ -108,7 +108,7 @@ class VerifyDecoder(FastDecoder):
             x = x.index_select(0, out_rows)
         return self._project_out(self._final_features(x))
 
-    def _self_attention(self, l: _Layer, cache: RaggedKVCache, x: Tensor) -> Tensor:
+    def _self_attention(self, l: _Layer, cache: RaggedKVCache, x: Tensor, rep: int = 1) -> Tensor:
         sa = l.layer.self_attn
         n, L, pos, rows, t_max, mask = self._ctx
         m, c = x.shape

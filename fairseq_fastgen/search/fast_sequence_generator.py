@@ -19,6 +19,7 @@ from fairseq.sequence_generator import SequenceGenerator, SequenceGeneratorWithA
 
 from ..config import FastGenConfig, active
 from ..models.fast_decoder import FastDecoder, unsupported_reason
+from .candidates import beam_search_step
 from .ngram_blocker import build_blocker
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,11 @@ class FastSequenceGenerator(SequenceGenerator):
         bbsz_offsets = (torch.arange(0, bsz) * beam_size).unsqueeze(1).type_as(tokens).to(src_tokens.device)
         cand_offsets = torch.arange(0, cand_size).type_as(tokens).to(src_tokens.device)
 
+        # fairseq's BeamSearch.step in bitwise mode (exact tie order); else the same
+        # candidates without a top-k over every (hypothesis, word) pair
+        select = self.search.step if self.fastgen.bitwise else (
+            lambda step, lp, sc, *_: beam_search_step(step, lp, sc, beam_size))
+
         reorder_state: Optional[Tensor] = None
         batch_idxs: Optional[Tensor] = None
         if "id" in sample and isinstance(sample["id"], Tensor):
@@ -198,7 +204,7 @@ class FastSequenceGenerator(SequenceGenerator):
             if self.repeat_ngram_blocker is not None:
                 lprobs = self.repeat_ngram_blocker(tokens, lprobs, bsz, beam_size, step)
 
-            cand_scores, cand_indices, cand_beams = self.search.step(
+            cand_scores, cand_indices, cand_beams = select(
                 step,
                 lprobs.view(bsz, -1, self.vocab_size),
                 scores.view(bsz, beam_size, -1)[:, :, :step],
@@ -282,11 +288,8 @@ class FastSequenceGenerator(SequenceGenerator):
         log_probs = []
         avg_attn: Optional[Tensor] = None
         for d in decoders:
-            logits, attn = d.step(tokens, need_attn)
-            if self.temperature != 1.0:
-                logits = logits.div_(self.temperature)
-            probs = d.model.get_normalized_probs((logits, None), log_probs=True, sample=None)
-            probs = probs[:, -1, : d.vocab]
+            probs, attn = d.step(tokens, need_attn, self.temperature)
+            probs = probs[:, : d.vocab]
             if len(decoders) == 1:
                 return probs, attn
             log_probs.append(probs)

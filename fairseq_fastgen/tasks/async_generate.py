@@ -43,6 +43,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from . import decode_workers
+
 logger = logging.getLogger("fairseq_fastgen.generate")
 
 # Planted-fault switch for the tests: "raise" makes a worker raise on its first batch,
@@ -187,6 +189,10 @@ def _main(cfg, output_file, fastgen):
         utils.set_torch_seed(cfg.common.seed)
 
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
+    threads = torch.get_num_threads()
+    n_decoders, why_not = decode_workers.planned_workers(cfg, fastgen, use_cuda)
+    if n_decoders:
+        torch.set_num_threads(1)  # until the workers are forked (see decode_workers)
 
     task = tasks.setup_task(cfg.task)
     try:
@@ -250,27 +256,61 @@ def _main(cfg, output_file, fastgen):
         retain_iter_history=cfg.generation.retain_iter_history,
         strip=get_symbols_to_strip_from_output(generator),
     )
-    n_workers = fastgen.pipeline_workers or default_workers(use_cuda)
     writer = _Writer(output_file, scorer, tgt_dict, cfg.common_eval.post_process)
+    epoch_itr = task.get_batch_iterator(
+        dataset=task.dataset(cfg.dataset.gen_subset),
+        max_tokens=cfg.dataset.max_tokens,
+        max_sentences=cfg.dataset.batch_size,
+        max_positions=utils.resolve_max_positions(
+            task.max_positions(), *[m.max_positions() for m in models]
+        ),
+        ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
+        seed=cfg.common.seed,
+        num_shards=cfg.distributed_training.distributed_world_size,
+        shard_id=cfg.distributed_training.distributed_rank,
+        num_workers=cfg.dataset.num_workers,
+        data_buffer_size=cfg.dataset.data_buffer_size,
+    )
+    nbest = cfg.generation.nbest
+    quiet = cfg.common_eval.quiet
+    if n_decoders:
+        n_decoders, why_not = decode_workers.fit_to_batches(n_decoders, len(epoch_itr))
+    wps_meter = TimeMeter()
+    sps_meter = TimeMeter()
     # Workers are forked before the data iterator starts its threads/processes.
-    pool = _Pool(state, n_workers, writer.write, use_cuda=use_cuda)
-    logger.info("generate pipeline: %d postprocessing worker(s)", n_workers)
+    if n_decoders:
+        job = decode_workers.DecodeJob(
+            task, generator, models, cfg.generation.prefix_size,
+            pack=lambda sample, hypos: _pack_batch(sample, hypos, nbest, quiet, state))
+        per_worker = decode_workers.threads_per_worker(n_decoders, threads)
+        progress_box = []
+        busy = [0.0]  # seconds the workers spent decoding, summed
+
+        def on_result(result, side, stats):
+            writer.write(result, side)
+            tokens, seconds, sentences = stats
+            gen_timer.n += tokens
+            busy[0] += seconds
+            wps_meter.update(tokens)
+            sps_meter.update(sentences)
+            if progress_box:
+                progress_box[0].log({"wps": round(wps_meter.avg),
+                                     "sentences/s": round(sps_meter.avg, 2)})
+
+        pool = _Pool(state, n_decoders, on_result, job=job, threads=per_worker)
+        logger.info("generate pipeline: %d decoding worker(s) x %d torch thread(s), each "
+                    "also postprocessing its batches", n_decoders, per_worker)
+    else:
+        if why_not is not None and fastgen.decode_workers != 1 and fastgen.log_fallbacks:
+            logger.info("generate pipeline: batches decoded in the main process (%s)", why_not)
+        torch.set_num_threads(threads)
+        n_workers = fastgen.pipeline_workers or default_workers(use_cuda)
+        pool = _Pool(state, n_workers, writer.write, use_cuda=use_cuda)
+        logger.info("generate pipeline: %d postprocessing worker(s)", n_workers)
+    torch.set_num_threads(threads)
     try:
-        itr = task.get_batch_iterator(
-            dataset=task.dataset(cfg.dataset.gen_subset),
-            max_tokens=cfg.dataset.max_tokens,
-            max_sentences=cfg.dataset.batch_size,
-            max_positions=utils.resolve_max_positions(
-                task.max_positions(), *[m.max_positions() for m in models]
-            ),
-            ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
-            required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
-            seed=cfg.common.seed,
-            num_shards=cfg.distributed_training.distributed_world_size,
-            shard_id=cfg.distributed_training.distributed_rank,
-            num_workers=cfg.dataset.num_workers,
-            data_buffer_size=cfg.dataset.data_buffer_size,
-        ).next_epoch_itr(shuffle=False)
+        itr = epoch_itr.next_epoch_itr(shuffle=False)
         progress = progress_bar.progress_bar(
             itr,
             log_format=cfg.common.log_format,
@@ -280,11 +320,11 @@ def _main(cfg, output_file, fastgen):
 
         num_sentences = 0
         has_target = True
-        wps_meter = TimeMeter()
-        sps_meter = TimeMeter()
-        nbest = cfg.generation.nbest
-        quiet = cfg.common_eval.quiet
-        for host_sample in progress:
+        if n_decoders:
+            progress_box.append(progress)
+            num_sentences, has_target = _feed_decoders(progress, pool, gen_timer,
+                                                       len(epoch_itr), n_decoders)
+        for host_sample in (progress if not n_decoders else ()):
             sample = utils.move_to_cuda(host_sample) if use_cuda else host_sample
             if "net_input" not in sample:
                 continue
@@ -316,6 +356,11 @@ def _main(cfg, output_file, fastgen):
             progress.log({"wps": round(wps_meter.avg), "sentences/s": round(sps_meter.avg, 2)})
             num_sentences += n
         pool.finish()
+        if n_decoders:
+            gen_timer.stop(0)  # wall time from the first batch sent to the last one written
+            logger.info("decoding workers: %.1fs of decoding in %.1fs (%.0f%% of %d workers)",
+                        busy[0], gen_timer.sum, 100 * busy[0] / max(gen_timer.sum, 1e-9) / n_decoders,
+                        n_decoders)
     except BaseException:  # error, worker failure or Ctrl-C: end the workers now
         pool.close(abort=True)
         raise
@@ -348,6 +393,28 @@ def _main(cfg, output_file, fastgen):
             file=output_file,
         )
     return scorer
+
+
+def _feed_decoders(progress, pool, gen_timer, n_batches: int, n_workers: int):
+    """Send every batch to the decoding workers, the last ``n_workers`` cut into one part
+    per worker (see decode_workers). Returns (sentences, has_target)."""
+    num_sentences = 0
+    has_target = True
+    for i, host_sample in enumerate(progress):
+        if "net_input" not in host_sample:
+            continue
+        if host_sample["id"].numel():
+            has_target = host_sample["target"] is not None
+        if gen_timer.start_time is None:
+            gen_timer.start()
+        parts = n_workers if i >= n_batches - n_workers else 1
+        for sub in decode_workers.split_sample(host_sample, parts):
+            pool.submit_sample(sub)
+        num_sentences += (host_sample["nsentences"] if "nsentences" in host_sample
+                          else host_sample["id"].numel())
+    if gen_timer.start_time is None:  # no batch at all
+        gen_timer.start()
+    return num_sentences, has_target
 
 
 # ---- main process: packing a decoded batch ----------------------------------------
@@ -562,9 +629,12 @@ def process_batch(st: _WorkerState, rec: Dict[str, Any]):
     return "".join(out), score_items
 
 
-def _worker_loop(st: _WorkerState, tasks, results, parent_pid: int, wid: int, nice: int):
+def _worker_loop(st: _WorkerState, tasks, results, parent_pid: int, wid: int, nice: int,
+                 job=None, threads: int = 1):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    if job is not None:
+        decode_workers.keep_freed_memory()
     if nice:
         try:
             os.nice(nice)
@@ -586,7 +656,11 @@ def _worker_loop(st: _WorkerState, tasks, results, parent_pid: int, wid: int, ni
                 raise RuntimeError(f"planted fault ({FAULT_ENV}=raise)")
             if fault == "exit":
                 os._exit(3)
-            result = process_batch(st, pickle.loads(payload))
+            if job is None:  # postprocessing only: the record was decoded in the main process
+                result = process_batch(st, pickle.loads(payload)) + (None, None)
+            else:  # decode the batch here, then postprocess it
+                rec, stats = job(pickle.loads(payload))
+                result = process_batch(st, rec) + (_side(rec), stats)
             results.put((idx, True, result))
         except BaseException:
             results.put((idx, False, f"worker {wid} (pid {os.getpid()}):\n{traceback.format_exc()}"))
@@ -599,9 +673,23 @@ class PipelineWorkerError(RuntimeError):
     """A postprocessing worker raised or died."""
 
 
+def _side(rec: Dict[str, Any]):
+    """What only the writer needs of a batch record."""
+    return rec["tgt"], rec["packed"], rec["tok_lens"], rec["tok_odd"], rec["counts"]
+
+
 class _Pool:
+    """Worker processes and the in-order hand-over of their results.
+
+    Without ``job`` the workers postprocess records decoded in the main process
+    (:meth:`submit`); with one (:class:`~fairseq_fastgen.tasks.decode_workers.DecodeJob`)
+    each worker decodes the samples it is given (:meth:`submit_sample`) with ``threads``
+    torch threads and postprocesses them.  ``on_result(result, side, stats)`` sees
+    results strictly in submission order.
+    """
+
     def __init__(self, state: _WorkerState, n_workers: int, on_result, use_cuda=False,
-                 max_in_flight=None):
+                 max_in_flight=None, job=None, threads: int = 1):
         import multiprocessing as mp
 
         ctx = mp.get_context("fork")
@@ -617,21 +705,32 @@ class _Pool:
         # When decoding already occupies every core (CPU decoding with as many torch threads
         # as cores), workers run at a lower priority: they fill the gaps instead of
         # preempting one of the decoder's OpenMP threads (which stalls all of them).
-        nice = WORKER_NICE if torch.get_num_threads() >= _cores() and not use_cuda else 0
+        nice = WORKER_NICE if (job is None and torch.get_num_threads() >= _cores()
+                               and not use_cuda) else 0
+        kind = "postprocess" if job is None else "decode"
         for wid in range(n_workers):
-            p = ctx.Process(target=_worker_loop, name=f"fastgen-postprocess-{wid}",
-                            args=(state, self.tasks, self.results, os.getpid(), wid, nice),
+            p = ctx.Process(target=_worker_loop, name=f"fastgen-{kind}-{wid}",
+                            args=(state, self.tasks, self.results, os.getpid(), wid, nice,
+                                  job, threads),
                             daemon=True)
             p.start()
             self.procs.append(p)
 
     def submit(self, rec: Dict[str, Any]) -> None:
+        """A batch decoded here: its record goes to a worker for the text."""
+        self._put(rec, side=_side(rec))  # what only the writer needs stays here
+
+    def submit_sample(self, sample: Dict[str, Any]) -> None:
+        """A batch for a decoding worker (host tensors)."""
+        self._put(sample, side=None)
+
+    def _put(self, payload, side) -> None:
         while self.submitted - self.written >= self.max_in_flight:
             self._collect(block=True)
         idx = self.submitted
-        # what only the writer needs stays here
-        self.side[idx] = (rec["tgt"], rec["packed"], rec["tok_lens"], rec["tok_odd"], rec["counts"])
-        self.tasks.put((idx, pickle.dumps(rec, protocol=pickle.HIGHEST_PROTOCOL)))
+        if side is not None:
+            self.side[idx] = side
+        self.tasks.put((idx, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)))
         self.submitted += 1
         self._collect(block=False)
         self._check_alive()
@@ -661,7 +760,8 @@ class _Pool:
             progressed = False
             while self.written in self.pending:
                 idx = self.written
-                self.on_result(self.pending.pop(idx), self.side.pop(idx))
+                text, score_items, side, stats = self.pending.pop(idx)
+                self.on_result((text, score_items), self.side.pop(idx, side), stats)
                 self.written += 1
                 progressed = True
             if block and progressed:
@@ -730,7 +830,7 @@ class _Writer:
         ids.append(d.eos_index)
         return torch.tensor(ids, dtype=torch.int32)
 
-    def write(self, result, side) -> None:
+    def write(self, result, side, stats=None) -> None:
         text, score_items = result
         if text:
             self.output_file.write(text)

@@ -1,0 +1,159 @@
+"""Batches decoded side by side in forked worker processes (CPU ``fairseq-generate``).
+
+On CPU, stock fairseq decodes one batch at a time with ``torch.get_num_threads()``
+intra-op threads.  A decoder step is a chain of small operations (GEMMs of a few hundred
+rows, softmaxes, gathers, Python bookkeeping) that do not split well over threads: on the
+2-core machine of this project the second thread adds ~1.6x at batch 64 and almost
+nothing at batch 1.  Decoding ``N`` batches at once in ``N`` forked processes of
+``threads / N`` threads each uses the same cores without that loss (what CTranslate2
+calls ``inter_threads``).  Every batch is decoded whole by one worker with the same
+generator, so each hypothesis is computed exactly as in a single process (in lossless
+mode up to GEMM rounding, as everywhere); the writer puts the batches back in order.
+
+The last batches of a run are cut into one part per worker (:func:`split_sample`): the
+longest batches come last (fairseq orders them by length), and a worker finishing one
+alone would leave the other cores idle for most of its time.
+
+Each worker also turns its batch into text (the pipeline's postprocessing), so decoding
+and postprocessing overlap without taking a core from a decoder.
+
+Fork and OpenMP: libgomp's thread pool does not survive ``fork``; a child that opens a
+parallel region the parent had used hangs.  The main process therefore runs with one
+torch thread from before the models are loaded until the workers are forked (one thread
+never opens a parallel region), and workers start their own pools.
+
+Not used (the main process decodes, one log line says why) on a GPU, in bitwise mode
+(a worker's thread count changes how BLAS splits a GEMM, hence last bits), for sampling and
+``--retain-dropout`` (their random draws follow the batch order of one process), with
+fewer than two threads, or with fewer than two batches per worker.
+"""
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger("fairseq_fastgen.generate")
+
+MAX_AUTO_WORKERS = 8  # memory: each worker holds its own activations and caches
+MIN_BATCHES_PER_WORKER = 2  # fewer batches: one worker would decode at a fraction of the cores
+
+
+def planned_workers(cfg, fastgen, use_cuda: bool) -> Tuple[int, Optional[str]]:
+    """(decoding workers, None), or (0, why the main process decodes), before loading.
+
+    ``fastgen.decode_workers``: 0 auto (one per torch thread, at most
+    ``MAX_AUTO_WORKERS``), 1 off, N >= 2 that many.
+    """
+    n = fastgen.decode_workers
+    if n == 1:
+        return 0, "--fastgen-decode-workers 1"
+    if use_cuda:
+        return 0, "decoding on a GPU"
+    if fastgen.bitwise:
+        # BLAS splits a GEMM's work by thread count: another count, other last bits
+        return 0, "bitwise mode keeps the decoding thread count of stock"
+    if cfg.generation.sampling:
+        return 0, "sampling draws random numbers in the batch order of one process"
+    if cfg.generation.retain_dropout:
+        return 0, "--retain-dropout draws random numbers in the batch order of one process"
+    threads = torch.get_num_threads()
+    if n == 0:
+        n = min(MAX_AUTO_WORKERS, threads)
+    if n < 2:
+        return 0, "one torch thread"
+    return n, None
+
+
+def fit_to_batches(workers: int, n_batches: int) -> Tuple[int, Optional[str]]:
+    """Workers for ``n_batches`` batches (0 and why, when too few batches)."""
+    fit = min(workers, n_batches // MIN_BATCHES_PER_WORKER)
+    if fit < 2:
+        return 0, f"{n_batches} batch(es): too few to share between decoding workers"
+    return fit, None
+
+
+def threads_per_worker(workers: int, threads: int) -> int:
+    return max(1, threads // workers)
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory() -> bool:
+    """In a worker process (ours alone): let glibc keep freed memory for reuse.
+
+    A decoder step allocates and frees the same few large tensors (logits, log-probs,
+    caches: megabytes each); by default glibc returns such blocks to the system and the
+    next step pays a page fault per 4 KiB page to get them back (5-10% of a step at batch
+    64 here).  Blocks up to 32 MiB then come from the heap, which is not trimmed below
+    1 GiB of free space.  Returns False (nothing changed) without glibc.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    ok &= mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+    ok &= mallopt(_M_TOP_PAD, 64 << 20) == 1
+    return bool(ok)
+
+
+def split_sample(sample: Dict[str, Any], parts: int) -> List[Dict[str, Any]]:
+    """``sample`` cut into ``parts`` consecutive groups of sentences (fewer if it is small).
+
+    Every per-sentence tensor is sliced along dim 0; the padded width is kept, so each
+    sentence gets the same length limit (``--max-len-a`` scales the batch's source width)
+    and the same inputs as in the whole batch.  Used for the last batches of a run, which
+    would otherwise leave workers idle while one finishes its batch alone.
+    """
+    bsz = sample["id"].numel()
+    parts = max(1, min(parts, bsz))
+    bounds = [round(i * bsz / parts) for i in range(parts + 1)]
+
+    def cut(x, sl):
+        if torch.is_tensor(x) and x.dim() > 0 and x.size(0) == bsz:
+            return x[sl]
+        if isinstance(x, dict):
+            return {k: cut(v, sl) for k, v in x.items()}
+        return x
+
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        sub = cut(sample, slice(lo, hi))
+        sub["nsentences"] = hi - lo
+        out.append(sub)
+    return out
+
+
+class DecodeJob:
+    """Decodes one batch in a worker: ``job(sample) -> (record, (tokens, seconds, sentences))``.
+
+    Mirrors stock's per-batch code (prefix tokens, constraints, ``task.inference_step``);
+    ``pack(sample, hypos)`` makes the pipeline's record of the batch.
+    """
+
+    def __init__(self, task, generator, models, prefix_size: int,
+                 pack: Callable[[Dict[str, Any], Any], Dict[str, Any]]):
+        self.task = task
+        self.generator = generator
+        self.models = models
+        self.prefix_size = prefix_size
+        self.pack = pack
+
+    def __call__(self, sample: Dict[str, Any]):
+        prefix_tokens = None
+        if self.prefix_size > 0:
+            prefix_tokens = sample["target"][:, : self.prefix_size]
+        constraints = sample["constraints"] if "constraints" in sample else None
+        t0 = time.perf_counter()
+        hypos = self.task.inference_step(self.generator, self.models, sample,
+                                         prefix_tokens=prefix_tokens, constraints=constraints)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(h[0]["tokens"]) for h in hypos)
+        sentences = sample["nsentences"] if "nsentences" in sample else sample["id"].numel()
+        return self.pack(sample, hypos), (tokens, seconds, sentences)
