@@ -169,8 +169,10 @@ class FastDecoder:
 
     # ---- per batch ----------------------------------------------------------------
 
-    def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int) -> None:
-        """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated)."""
+    def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int,
+              self_kv: bool = True) -> None:
+        """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated);
+        self_kv False: the caller brings its own self-attention caches."""
         self.step_idx = 0
         self.beam = beam
         for l in self.layers:
@@ -190,7 +192,7 @@ class FastDecoder:
         self.self_kv = [
             KVCache(n, l.dim, max_len + 1, dev, dtype, preallocate=self.kv_cache)
             for l in self.layers
-        ]
+        ] if self_kv else []
         self.cross = []
         for l in self.layers:
             ea = l.layer.encoder_attn

@@ -60,8 +60,8 @@ class VerifyDecoder(FastDecoder):
 
     def start(self, encoder_out: Optional[dict], bsz: int, max_len: int, max_block: int) -> None:
         # FastDecoder.start builds positions, cross-attention caches (beam 1, per sentence)
-        # and its own KV caches, which are replaced by ragged ones here.
-        super().start(encoder_out, bsz, 1, max_len)
+        # and no KV caches: ragged ones are made here.
+        super().start(encoder_out, bsz, 1, max_len, self_kv=False)
         cap = max_len + 1 + max_block  # block padding may run past max_len: never clamp
         dev, dtype = self._device_dtype()
         self.self_kv = [RaggedKVCache(bsz, l.dim, cap, dev, dtype) for l in self.layers]
@@ -109,7 +109,6 @@ class VerifyDecoder(FastDecoder):
         return self._project_out(self._final_features(x))
 
     def _self_attention(self, l: _Layer, cache: RaggedKVCache, x: Tensor, rep: int = 1) -> Tensor:
-        sa = l.layer.self_attn
         n, L, pos, rows, t_max, mask = self._ctx
         m, c = x.shape
         q, k, v = self._project_qkv(l, x)
@@ -124,7 +123,7 @@ class VerifyDecoder(FastDecoder):
         p = F.softmax(w, dim=-1, dtype=torch.float32).type_as(w)
         out = torch.bmm(p, values)  # (n*H, L, hd)
         out = out.view(n, l.heads, L, l.head_dim).transpose(1, 2).reshape(m, c)
-        return sa.out_proj(out)
+        return l.sa_out(out)
 
 
 def cross_attention_supported(dec: VerifyDecoder) -> bool:

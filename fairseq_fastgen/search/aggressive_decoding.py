@@ -39,6 +39,7 @@ and logged.
 """
 import logging
 import math
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -102,7 +103,73 @@ def try_aggressive(gen, sample, prefix_tokens, bos_token):
     dec = getattr(gen, "_aggressive", None)
     if dec is None:
         dec = gen._aggressive = AggressiveGreedy(gen)
-    return dec.generate(sample, prefix_tokens, bos_token)
+    bsz = sample["net_input"]["src_tokens"].size(0)
+    mode = dec.chooser.choose(bsz)
+    t0 = time.perf_counter()
+    if mode == PLAIN:
+        out = gen._fast_generate(sample, prefix_tokens, bos_token)
+        dec.stats.plain_batches += 1
+    else:
+        out = dec.generate(sample, prefix_tokens, bos_token)
+    dec.chooser.record(mode, bsz, time.perf_counter() - t0,
+                       sum(len(h[0]["tokens"]) for h in out if h))
+    return out
+
+
+AGGRESSIVE, PLAIN = "aggressive", "plain"
+
+
+class SpeedChooser:
+    """Per batch size, whichever of aggressive decoding and the regular greedy step is
+    faster here, measured on the batches themselves (the output is the same either way).
+
+    Whether drafting pays depends on the batch (a block pass over many rows costs more
+    than the tokens it saves when drafts are short), the model and the machine.  Each
+    batch-size class (powers of two) alternates the two modes for its first
+    ``2 * WARMUP`` batches, then decodes with the one of fewer seconds per output token
+    (decayed sums of seconds and of tokens: robust to sentences of different lengths),
+    trying the other again every ``EXPLORE_EVERY`` batches.  A class with no
+    measurements yet follows the nearest class that has them.
+    """
+
+    WARMUP = 2
+    EXPLORE_EVERY = 8
+    DECAY = 0.8  # weight of the past in the decayed sums, per batch of that mode
+
+    def __init__(self):
+        self.classes: Dict[int, dict] = {}
+
+    def _class(self, bsz: int) -> dict:
+        key = 1 << max(0, (bsz - 1).bit_length())
+        return self.classes.setdefault(
+            key, {"n": 0, AGGRESSIVE: [0, 0.0, 0.0], PLAIN: [0, 0.0, 0.0]})
+
+    @staticmethod
+    def _rate(entry) -> float:
+        return entry[1] / max(entry[2], 1e-9)
+
+    def choose(self, bsz: int) -> str:
+        c = self._class(bsz)
+        c["n"] += 1
+        if min(c[AGGRESSIVE][0], c[PLAIN][0]) < self.WARMUP:
+            near = self._nearest_measured(bsz)
+            if near is None:  # measure both, alternating
+                return AGGRESSIVE if c[AGGRESSIVE][0] <= c[PLAIN][0] else PLAIN
+            c = dict(near, n=c["n"])
+        best, other = ((AGGRESSIVE, PLAIN) if self._rate(c[AGGRESSIVE]) <= self._rate(c[PLAIN])
+                       else (PLAIN, AGGRESSIVE))
+        return other if c["n"] % self.EXPLORE_EVERY == 0 else best
+
+    def _nearest_measured(self, bsz: int) -> Optional[dict]:
+        done = [(abs(k.bit_length() - bsz.bit_length()), k) for k, c in self.classes.items()
+                if min(c[AGGRESSIVE][0], c[PLAIN][0]) >= self.WARMUP]
+        return self.classes[min(done)[1]] if done else None
+
+    def record(self, mode: str, bsz: int, seconds: float, tokens: int) -> None:
+        entry = self._class(bsz)[mode]
+        entry[0] += 1
+        entry[1] = self.DECAY * entry[1] + seconds
+        entry[2] = self.DECAY * entry[2] + tokens
 
 
 # ---- acceptance statistics ----------------------------------------------------------------
@@ -116,6 +183,7 @@ class AcceptanceStats:
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # draft tokens accepted
         self.near_ties = 0  # positions re-done because of a near tie
+        self.plain_batches = 0  # batches the regular greedy step decoded (faster there)
 
     def as_dict(self) -> Dict[str, float]:
         d = dict(self.__dict__)
@@ -129,7 +197,8 @@ class AcceptanceStats:
         return (f"aggressive decoding: {self.sentences} sentences, {self.tokens} tokens in "
                 f"{self.row_steps} verification steps ({d['mean_accepted_per_step']:.2f} tokens/step), "
                 f"{self.passes} decoder passes, draft acceptance {d['draft_acceptance_rate']:.1%}, "
-                f"near ties {self.near_ties}")
+                f"near ties {self.near_ties}; {self.plain_batches} batch(es) by the regular "
+                f"greedy step (faster for their size)")
 
 
 # ---- n-gram ban with a step per row ------------------------------------------------------
@@ -167,6 +236,7 @@ class AggressiveGreedy:
         self.model = gen.model.models[0]
         self.vd = VerifyDecoder(self.model, vocab_pad=gen.fastgen.vocab_pad)
         self.stats = AcceptanceStats()
+        self.chooser = SpeedChooser()
         self._seen_s = self._seen_f = 0.0
         self.substitutions = SubstitutionMemory(len(gen.tgt_dict))
         self.draft_model = None

@@ -112,12 +112,15 @@ class SubstitutionMemory:
     """
 
     MIN_COUNT = 2
+    REBUILD_EVERY = 16
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self.pairs = {}  # (x, y) -> count, y != x
         self.kept = torch.zeros(vocab_size, dtype=torch.long)  # x accepted as x
         self._table: Optional[Tensor] = None
+        self._stale = False  # pairs seen since the table was built
+        self._calls = 0
 
     def observe(self, orig: Tensor, drafted: Tensor, model: Tensor, accepted: Tensor) -> None:
         """orig, drafted: (m,) source token and the token drafted for it; model: (m,) the
@@ -132,12 +135,16 @@ class SubstitutionMemory:
                     self.kept[x] += 1
                 else:
                     self.pairs[(x, y)] = self.pairs.get((x, y), 0) + 1
-            self._table = None
+            self._stale = True
 
     def table(self, device) -> Optional[Tensor]:
         if not self.pairs:
             return None
-        if self._table is None:
+        self._calls += 1
+        # rebuilt from all pairs seen (a Python pass over them) at most every REBUILD_EVERY
+        # batches: at batch 1 new pairs arrive with almost every sentence
+        if self._table is None or (self._stale and self._calls % self.REBUILD_EVERY == 0):
+            self._stale = False
             best = {}
             for (x, y), c in self.pairs.items():
                 if c >= self.MIN_COUNT and c > int(self.kept[x]) and c > best.get(x, (0, -1))[0]:
