@@ -507,6 +507,8 @@ def discover_ablations():
     flags = sorted(set(re.findall(r"--fastgen-no-[a-z0-9-]+", r.stdout)) - {"--fastgen-no-log-fallbacks"})
     out = [("fastgen-bitwise", ["--fastgen-bitwise"])]
     out += [(f"fastgen {f[len('--fastgen-'):]}", [f]) for f in flags]
+    if "--fastgen-decode-workers" in r.stdout:
+        out.append(("fastgen decode-workers=1", ["--fastgen-decode-workers", "1"]))
     if "--fastgen-ngram-blocker" in r.stdout:
         out.append(("fastgen ngram-blocker=stock", ["--fastgen-ngram-blocker", "stock"]))
     return out
