@@ -9,7 +9,7 @@ reference, the plugin's regular greedy path (aggressive off).  Acceptance statis
 (mean tokens per verification step, draft acceptance) come from one in-process run of
 the same generator on the same batches.  Results: benchmarks/results/aggressive_decoding.{json,md}.
 
-    python benchmarks/aggressive_decoding.py                       # batch 1 and 32, 1 thread
+    python benchmarks/aggressive_decoding.py        # batch 1 and 32, 1 thread and default threads
     python benchmarks/aggressive_decoding.py --subset test2 --repeats 3
     python benchmarks/aggressive_decoding.py --task es-en --batch 1 \
         --draft-model /tmp/draft_es_en/checkpoint_best.pt --name aggressive_decoding_draft_es-en
@@ -47,7 +47,7 @@ def acceptance(task, batch, subset, max_len_b, threads, draft_model=""):
     import fairseq_fastgen
     from fairseq_fastgen.config import FastGenConfig, set_active
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads or 1)  # statistics: the same at any thread count
     parser = options.get_generation_parser()
     args = options.parse_args_and_arch(parser, gen_args(task, batch, subset, max_len_b))
     cfg = convert_namespace_to_omegaconf(args)
@@ -85,16 +85,20 @@ def measure(task, batch, threads, repeats, subset, max_len_b, flags, stats=True,
 
 def table(rows):
     out = ["| task | batch | threads | plugin flags | sentences | stock gen s | plugin gen s "
-           "| gen ratio | process ratio | lossless | tokens/step | draft acceptance |",
-           "|" + "---|" * 12]
+           "| gen ratio | process ratio | lossless | tokens/step | draft acceptance "
+           "| batches by plain steps |",
+           "|" + "---|" * 13]
     for r in rows:
         a = r.get("acceptance") or {}
         out.append(
-            f"| {r['task']} | {r['batch']} | {r['threads']} | {r['plugin_args']} | {r['sentences']} | "
+            f"| {r['task']} | {r['batch']} | {r['threads'] or 'default'} | {r['plugin_args']} "
+            f"| {r['sentences']} | "
             f"{r.get('stock_gen_s', 0):.2f} | {r.get('plugin_gen_s', 0):.2f} | "
             f"{r.get('gen_ratio', 0):.2f}x | {r['wall_ratio']:.2f}x | "
             f"{'yes' if r['lossless'] else 'NO'} | "
-            + (f"{a['mean_accepted_per_step']:.2f} | {a['draft_acceptance_rate']:.0%} |" if a else "- | - |"))
+            + (f"{a['mean_accepted_per_step']:.2f} | {a['draft_acceptance_rate']:.0%} "
+               f"| {a.get('plain_batches', 0)} of {a.get('plain_batches', 0) + a.get('sentences', 0) // max(r['batch'], 1)} |"
+               if a else "- | - | - |"))
     return "\n".join(out)
 
 
@@ -102,7 +106,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="kjv-web", choices=sorted(PAIRS))
     p.add_argument("--batch", type=int, nargs="*", default=[1, 32])
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, nargs="*", default=[1, 0],
+                   help="torch threads of every run; 0: the default (all cores: with the "
+                   "plugin, decoding workers)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--subset", default="test1", help="test1 (100 verses), test2 (300), test (1,000)")
     p.add_argument("--max-len-b", type=int, default=200)
@@ -113,15 +119,16 @@ def main():
     p.add_argument("--name", default="aggressive_decoding")
     a = p.parse_args()
     rows = []
-    for batch in a.batch:
-        flags = ["--fastgen-aggressive", "on"]
-        if a.draft_model:
-            flags += ["--fastgen-draft-model", a.draft_model]
-        rows.append(measure(a.task, batch, a.threads, a.repeats, a.subset, a.max_len_b, flags,
-                            draft_model=a.draft_model))
-        if not a.no_reference:
-            rows.append(measure(a.task, batch, a.threads, a.repeats, a.subset, a.max_len_b, [],
-                                stats=False))
+    for threads in a.threads:
+        for batch in a.batch:
+            flags = ["--fastgen-aggressive", "on"]
+            if a.draft_model:
+                flags += ["--fastgen-draft-model", a.draft_model]
+            rows.append(measure(a.task, batch, threads, a.repeats, a.subset, a.max_len_b, flags,
+                                draft_model=a.draft_model))
+            if not a.no_reference:
+                rows.append(measure(a.task, batch, threads, a.repeats, a.subset, a.max_len_b, [],
+                                    stats=False))
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), machine=platform.processor() or platform.machine(),

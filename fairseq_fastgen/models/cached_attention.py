@@ -119,7 +119,7 @@ class CrossAttentionCache:
 
     def _attend_einsum(self, q: Tensor, n: int, c: int, s: int, need_attn: bool):
         """fairseq's beam-aware encoder-decoder attention, operation for operation."""
-        a, h, hd = self.attn, self.heads, self.head_dim
+        h, hd = self.heads, self.head_dim
         kv_bsz = self.k.size(0) // h
         q = q.view(n * h, 1, hd)
         w = torch.einsum("bxhtd,bhsd->bxhts", q.view((kv_bsz, -1, h) + q.size()[1:]),

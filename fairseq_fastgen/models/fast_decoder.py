@@ -382,7 +382,6 @@ class FastDecoder:
         return q, k, v
 
     def _self_attention(self, l: _Layer, cache: KVCache, x: Tensor, rep: int = 1) -> Tensor:
-        sa = l.layer.self_attn
         n, c = x.shape
         q, k, v = self._project_qkv(l, x)
         keys, values = cache.append(k, v, rep)  # (t+1, n, C) views

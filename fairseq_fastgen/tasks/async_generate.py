@@ -174,7 +174,7 @@ def get_symbols_to_strip_from_output(generator):
 def _main(cfg, output_file, fastgen):
     from fairseq import checkpoint_utils, scoring, tasks, utils
     from fairseq.logging import progress_bar
-    from fairseq.logging.meters import StopwatchMeter, TimeMeter
+    from fairseq.logging.meters import StopwatchMeter
 
     log = logging.getLogger("fairseq_cli.generate")  # stock's logger name: same log lines
 
@@ -276,27 +276,17 @@ def _main(cfg, output_file, fastgen):
     quiet = cfg.common_eval.quiet
     if n_decoders:
         n_decoders, why_not = decode_workers.fit_to_batches(n_decoders, len(epoch_itr))
-    wps_meter = TimeMeter()
-    sps_meter = TimeMeter()
+    meters = _Meters(gen_timer)
+    job = decode_workers.DecodeJob(
+        task, generator, models, cfg.generation.prefix_size,
+        pack=lambda sample, hypos: _pack_batch(sample, hypos, nbest, quiet, state))
     # Workers are forked before the data iterator starts its threads/processes.
     if n_decoders:
-        job = decode_workers.DecodeJob(
-            task, generator, models, cfg.generation.prefix_size,
-            pack=lambda sample, hypos: _pack_batch(sample, hypos, nbest, quiet, state))
         per_worker = decode_workers.threads_per_worker(n_decoders, threads)
-        progress_box = []
-        busy = [0.0]  # seconds the workers spent decoding, summed
 
         def on_result(result, side, stats):
             writer.write(result, side)
-            tokens, seconds, sentences = stats
-            gen_timer.n += tokens
-            busy[0] += seconds
-            wps_meter.update(tokens)
-            sps_meter.update(sentences)
-            if progress_box:
-                progress_box[0].log({"wps": round(wps_meter.avg),
-                                     "sentences/s": round(sps_meter.avg, 2)})
+            meters.add(*stats)
 
         pool = _Pool(state, n_decoders, on_result, job=job, threads=per_worker)
         logger.info("generate pipeline: %d decoding worker(s) x %d torch thread(s), each "
@@ -304,7 +294,6 @@ def _main(cfg, output_file, fastgen):
     else:
         if why_not is not None and fastgen.decode_workers != 1 and fastgen.log_fallbacks:
             logger.info("generate pipeline: batches decoded in the main process (%s)", why_not)
-        torch.set_num_threads(threads)
         n_workers = fastgen.pipeline_workers or default_workers(use_cuda)
         pool = _Pool(state, n_workers, writer.write, use_cuda=use_cuda)
         logger.info("generate pipeline: %d postprocessing worker(s)", n_workers)
@@ -317,50 +306,17 @@ def _main(cfg, output_file, fastgen):
             log_interval=cfg.common.log_interval,
             default_log_format=("tqdm" if not cfg.common.no_progress_bar else "simple"),
         )
-
-        num_sentences = 0
-        has_target = True
         if n_decoders:
-            progress_box.append(progress)
-            num_sentences, has_target = _feed_decoders(progress, pool, gen_timer,
-                                                       len(epoch_itr), n_decoders)
-        for host_sample in (progress if not n_decoders else ()):
-            sample = utils.move_to_cuda(host_sample) if use_cuda else host_sample
-            if "net_input" not in sample:
-                continue
-
-            prefix_tokens = None
-            if cfg.generation.prefix_size > 0:
-                prefix_tokens = sample["target"][:, : cfg.generation.prefix_size]
-            constraints = None
-            if "constraints" in sample:
-                constraints = sample["constraints"]
-
-            gen_timer.start()
-            hypos = task.inference_step(
-                generator, models, sample,
-                prefix_tokens=prefix_tokens, constraints=constraints,
-            )
-            num_generated_tokens = sum(len(h[0]["tokens"]) for h in hypos)
-            gen_timer.stop(num_generated_tokens)
-
-            ids = host_sample["id"].tolist()
-            if ids:
-                has_target = host_sample["target"] is not None
-            record = _pack_batch(host_sample, hypos, nbest, quiet, state)
-            pool.submit(record)
-
-            n = sample["nsentences"] if "nsentences" in sample else sample["id"].numel()
-            wps_meter.update(num_generated_tokens)
-            sps_meter.update(n)
-            progress.log({"wps": round(wps_meter.avg), "sentences/s": round(sps_meter.avg, 2)})
-            num_sentences += n
+            num_sentences, has_target = _feed_decoders(progress, pool, meters, len(epoch_itr),
+                                                       n_decoders)
+        else:
+            num_sentences, has_target = _decode_here(progress, pool, job, meters, use_cuda)
         pool.finish()
         if n_decoders:
             gen_timer.stop(0)  # wall time from the first batch sent to the last one written
             logger.info("decoding workers: %.1fs of decoding in %.1fs (%.0f%% of %d workers)",
-                        busy[0], gen_timer.sum, 100 * busy[0] / max(gen_timer.sum, 1e-9) / n_decoders,
-                        n_decoders)
+                        meters.busy, gen_timer.sum,
+                        100 * meters.busy / max(gen_timer.sum, 1e-9) / n_decoders, n_decoders)
     except BaseException:  # error, worker failure or Ctrl-C: end the workers now
         pool.close(abort=True)
         raise
@@ -395,11 +351,53 @@ def _main(cfg, output_file, fastgen):
     return scorer
 
 
-def _feed_decoders(progress, pool, gen_timer, n_batches: int, n_workers: int):
+class _Meters:
+    """Generation time and tokens (stock's ``gen_timer``) and the progress rates."""
+
+    def __init__(self, gen_timer):
+        from fairseq.logging.meters import TimeMeter
+
+        self.gen_timer = gen_timer
+        self.wps, self.sps = TimeMeter(), TimeMeter()
+        self.busy = 0.0  # seconds spent decoding, summed over batches
+
+    def add(self, tokens: int, seconds: float, sentences: int) -> None:
+        self.gen_timer.n += tokens
+        self.busy += seconds
+        self.wps.update(tokens)
+        self.sps.update(sentences)
+
+    def log(self, progress) -> None:
+        progress.log({"wps": round(self.wps.avg), "sentences/s": round(self.sps.avg, 2)})
+
+
+def _decode_here(progress, pool, job, meters, use_cuda: bool):
+    """Decode every batch in this process, text in the pool. Returns (sentences, has_target)."""
+    from fairseq import utils
+
+    num_sentences = 0
+    has_target = True
+    for host_sample in progress:
+        sample = utils.move_to_cuda(host_sample) if use_cuda else host_sample
+        if "net_input" not in sample:
+            continue
+        rec, (tokens, seconds, n) = job(sample, host_sample)
+        meters.gen_timer.sum += seconds  # stock's gen_timer: inference_step alone
+        meters.add(tokens, seconds, n)
+        if host_sample["id"].numel():
+            has_target = host_sample["target"] is not None
+        pool.submit(rec)
+        meters.log(progress)
+        num_sentences += n
+    return num_sentences, has_target
+
+
+def _feed_decoders(progress, pool, meters, n_batches: int, n_workers: int):
     """Send every batch to the decoding workers, the last ``n_workers`` cut into one part
     per worker (see decode_workers). Returns (sentences, has_target)."""
     num_sentences = 0
     has_target = True
+    gen_timer = meters.gen_timer
     for i, host_sample in enumerate(progress):
         if "net_input" not in host_sample:
             continue
@@ -410,6 +408,7 @@ def _feed_decoders(progress, pool, gen_timer, n_batches: int, n_workers: int):
         parts = n_workers if i >= n_batches - n_workers else 1
         for sub in decode_workers.split_sample(host_sample, parts):
             pool.submit_sample(sub)
+        meters.log(progress)
         num_sentences += (host_sample["nsentences"] if "nsentences" in host_sample
                           else host_sample["id"].numel())
     if gen_timer.start_time is None:  # no batch at all

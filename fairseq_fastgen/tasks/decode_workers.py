@@ -131,10 +131,12 @@ def split_sample(sample: Dict[str, Any], parts: int) -> List[Dict[str, Any]]:
 
 
 class DecodeJob:
-    """Decodes one batch in a worker: ``job(sample) -> (record, (tokens, seconds, sentences))``.
+    """Decodes one batch: ``job(sample) -> (record, (tokens, seconds, sentences))``, in a
+    worker or in the main process.
 
-    Mirrors stock's per-batch code (prefix tokens, constraints, ``task.inference_step``);
-    ``pack(sample, hypos)`` makes the pipeline's record of the batch.
+    Mirrors stock's per-batch code (prefix tokens, constraints, ``task.inference_step``
+    timed as stock times it); ``pack(host_sample, hypos)`` makes the pipeline's record of
+    the batch (``host_sample``: the sample before it was moved to a GPU, default sample).
     """
 
     def __init__(self, task, generator, models, prefix_size: int,
@@ -145,7 +147,7 @@ class DecodeJob:
         self.prefix_size = prefix_size
         self.pack = pack
 
-    def __call__(self, sample: Dict[str, Any]):
+    def __call__(self, sample: Dict[str, Any], host_sample: Optional[Dict[str, Any]] = None):
         prefix_tokens = None
         if self.prefix_size > 0:
             prefix_tokens = sample["target"][:, : self.prefix_size]
@@ -156,4 +158,4 @@ class DecodeJob:
         seconds = time.perf_counter() - t0
         tokens = sum(len(h[0]["tokens"]) for h in hypos)
         sentences = sample["nsentences"] if "nsentences" in sample else sample["id"].numel()
-        return self.pack(sample, hypos), (tokens, seconds, sentences)
+        return self.pack(host_sample or sample, hypos), (tokens, seconds, sentences)
