@@ -40,12 +40,17 @@ def standard_normalization(model) -> bool:
     """Whether ``model.get_normalized_probs`` is fairseq's log_softmax of the logits (no
     override anywhere in the chain, no ONNX tracing)."""
     from fairseq.models import BaseFairseqModel, FairseqDecoder
-    from fairseq.models.transformer import TransformerModelBase
 
     dec = getattr(model, "decoder", None)
-    if dec is None or getattr(dec, "adaptive_softmax", None) is not None or getattr(dec, "onnx_trace", False):
+    if dec is None or getattr(dec, "adaptive_softmax", None) is not None \
+            or getattr(dec, "onnx_trace", False):
         return False
-    own = (BaseFairseqModel.get_normalized_probs, TransformerModelBase.get_normalized_probs)
+    own = [BaseFairseqModel.get_normalized_probs]
+    try:  # its override only calls the scriptable helper
+        from fairseq.models.transformer import TransformerModelBase
+        own.append(TransformerModelBase.get_normalized_probs)
+    except ImportError:  # pragma: no cover - older fairseq
+        pass
     return (type(model).get_normalized_probs in own
             and type(model).get_normalized_probs_scriptable
             is BaseFairseqModel.get_normalized_probs_scriptable
