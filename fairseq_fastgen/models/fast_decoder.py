@@ -174,18 +174,27 @@ class FastDecoder:
 
     # ---- per batch ----------------------------------------------------------------
 
+    def prepare(self) -> None:
+        """Build (or re-read, when the model's weights changed) everything derived from
+        the weights: transposed and padded copies, the logit bound.  Cheap when nothing
+        changed; called by :meth:`start`, and before forking decoding workers so that they
+        share one copy."""
+        for l in self.layers:
+            l.refresh()
+        if self._padded_proj is not None and self._padded_proj.usable():
+            self._padded_proj.refresh()
+        else:
+            refresh_all([self._out_t])
+        self._w_bound = self._weight_bound()
+
     def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int,
               self_kv: bool = True) -> None:
         """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated);
         self_kv False: the caller brings its own self-attention caches."""
         self.step_idx = 0
         self.beam = beam
-        for l in self.layers:
-            l.refresh()
-        if not (self._padded_proj is not None and self._padded_proj.usable()):
-            refresh_all([self._out_t])
+        self.prepare()
         self._positions = self._position_table(max_len + 1)
-        self._w_bound = self._weight_bound()
         self.logits_finite = False
         enc = pad = None
         if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:

@@ -55,6 +55,10 @@ class PaddedProjection:
         log-probabilities as a contiguous (rows, V) buffer."""
         return self.linear.weight.device.type == "cpu"
 
+    def refresh(self) -> None:
+        """Rebuild the padded copy now if the weight changed (else on the next call)."""
+        self._padded()
+
     def __call__(self, x: Tensor) -> Tensor:
         """x: (rows, C) float; returns (rows, Vp) contiguous: logits, then -inf columns."""
         wt, bias = self._padded()

@@ -99,6 +99,13 @@ class FastSequenceGenerator(SequenceGenerator):
         dec = getattr(self, "_aggressive", None)
         return dec.stats.as_dict() if dec is not None else None
 
+    def prepare(self) -> None:
+        """Build the fast decoders and their weight copies now (the generate pipeline calls
+        this before forking decoding workers, which then share them)."""
+        if self._fallback_reason is None:
+            for d in self._decoders():
+                d.prepare()
+
     def _decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:
             cfg = self.fastgen

@@ -283,6 +283,8 @@ def _main(cfg, output_file, fastgen):
     # Workers are forked before the data iterator starts its threads/processes.
     if n_decoders:
         per_worker = decode_workers.threads_per_worker(n_decoders, threads)
+        if hasattr(generator, "prepare"):  # weight copies made once, shared by the workers
+            generator.prepare()
 
         def on_result(result, side, stats):
             writer.write(result, side)
