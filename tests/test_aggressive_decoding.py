@@ -21,6 +21,15 @@ from fairseq_fastgen.search.ngram_blocker import TorchNGramBlocker
 ON = FastGenConfig(aggressive="on")
 
 
+@pytest.fixture(autouse=True)
+def block_passes_on_every_batch(request, monkeypatch):
+    """The decoder under test on every batch.  The speed chooser (tested on its own at
+    the end) would decode the process's first batch, and any batch size where block
+    passes are slower, with the regular greedy step."""
+    if not request.node.name.startswith("test_chooser"):
+        monkeypatch.setattr(agg.SpeedChooser, "choose", lambda self, bsz: agg.AGGRESSIVE)
+
+
 def batches(task, cfg, batch_size, subset=None, limit=None):
     """conftest.batches on a task shared between tests: fairseq caches the epoch iterator
     per dataset and would silently reuse the first test's batch size."""
@@ -294,3 +303,60 @@ def test_draft_model_matches_stock(tiny, tiny_models, draft, gen):
     stats = fast.aggressive_stats
     if draft == "postln" and not gen.get("no_repeat_ngram_size"):
         assert stats["draft_acceptance_rate"] > 0.9
+
+
+# ---- the speed chooser -------------------------------------------------------------------
+
+A, P = agg.AGGRESSIVE, agg.PLAIN
+
+
+def _feed(ch, bsz, rates, batches, tokens):
+    """Decode ``batches`` batches of ``bsz`` as the chooser says, at ``rates[mode]``
+    seconds per token; returns the modes used."""
+    used = []
+    for _ in range(batches):
+        mode = ch.choose(bsz)
+        ch.record(mode, bsz, rates[mode] * tokens, tokens)
+        used.append(mode)
+    return used
+
+
+def test_chooser_first_batch_plain_and_unmeasured():
+    ch = agg.SpeedChooser()
+    assert ch.choose(1) == P
+    ch.record(P, 1, 1e3, 20)  # a cold first batch, however slow, is not held against PLAIN
+    assert not ch.cold and all(e[3] == 0 for c in ch.classes.values() for e in (c[A], c[P]))
+    used = _feed(ch, 1, {A: 0.002, P: 0.001}, 40, 20)
+    # alternates until each mode has WARMUP_TOKENS tokens (20 per batch: 4 each), then PLAIN
+    warm = -(-agg.SpeedChooser.WARMUP_TOKENS // 20)
+    assert used[: 2 * warm] == [A, P] * warm
+    rest = used[2 * warm:]
+    assert rest.count(A) == sum(1 for i in range(2 * warm + 1, 41)
+                                if i % agg.SpeedChooser.EXPLORE_EVERY == 0)
+    assert rest.count(A) >= 1  # the slower mode is still tried now and then
+
+
+def test_chooser_follows_the_faster_mode_per_batch_size():
+    ch = agg.SpeedChooser()
+    _feed(ch, 1, {A: 0.0, P: 0.0}, 1, 20)  # the cold batch
+    # batch 1: block passes faster; batch 32: the regular step faster (one batch each warms up)
+    used1 = _feed(ch, 1, {A: 0.001, P: 0.002}, 24, 20)
+    used32 = _feed(ch, 32, {A: 0.004, P: 0.001}, 12, 700)
+    assert used32[:2] == [A, P]
+    warm = 2 * -(-agg.SpeedChooser.WARMUP_TOKENS // 20)
+    assert used1[warm:].count(A) > 3 * used1[warm:].count(P)
+    assert used32[2:].count(P) > 3 * used32[2:].count(A)
+    # a batch size not measured yet follows a warm neighbour (24 -> class 32, 2 -> class 1)
+    assert ch.choose(24) == P and ch.choose(2) == A
+    # and measures on its own when none is near (class 8: both modes again)
+    assert _feed(ch, 8, {A: 0.003, P: 0.001}, 2, 200) == [A, P]
+
+
+def test_chooser_end_to_end_lossless():
+    """The real chooser (first batch regular greedy, then both modes measured) on the
+    copy-heavy model: output identical to stock's, and both modes were used."""
+    task, models, cfg = bundled_model("kjv-web")
+    fast = compare(task, models, cfg, 1, dict(beam=1, max_len_b=80), limit=10)
+    stats = fast.aggressive_stats
+    assert stats["plain_batches"] >= 2  # the cold batch and at least one measured one
+    assert stats["passes"] > 0 and stats["sentences"] >= 3

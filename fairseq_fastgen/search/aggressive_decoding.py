@@ -124,52 +124,73 @@ class SpeedChooser:
     faster here, measured on the batches themselves (the output is the same either way).
 
     Whether drafting pays depends on the batch (a block pass over many rows costs more
-    than the tokens it saves when drafts are short), the model and the machine.  Each
-    batch-size class (powers of two) alternates the two modes for its first
-    ``2 * WARMUP`` batches, then decodes with the one of fewer seconds per output token
-    (decayed sums of seconds and of tokens: robust to sentences of different lengths),
-    trying the other again every ``EXPLORE_EVERY`` batches.  A class with no
-    measurements yet follows the nearest class that has them.
+    than the tokens it saves when drafts are short), the model and the machine.  The
+    process's first batch runs the regular step and is not measured: it pays one-time
+    costs whichever mode runs it (lazy imports such as the sympy that torch's first
+    ``F.multi_head_attention_forward`` pulls in, first allocations), which would
+    otherwise count against the mode that happened to go first.  Then each batch-size
+    class (powers of two) alternates the two modes until each has produced
+    ``WARMUP_TOKENS`` tokens, and from then on decodes with the one of fewer seconds per
+    output token (decayed sums of seconds and of tokens: robust to sentences of
+    different lengths), trying the other again every ``EXPLORE_EVERY`` batches.  A
+    class not warmed up yet follows a warm neighbouring class (half or twice its size:
+    e.g. the smaller last batch of a run), else measures on its own.
     """
 
-    WARMUP = 2
+    WARMUP_TOKENS = 64  # per mode and class: one batch of 32, about three single sentences
     EXPLORE_EVERY = 8
     DECAY = 0.8  # weight of the past in the decayed sums, per batch of that mode
 
     def __init__(self):
+        # class -> {"n": batches, mode: [batches, decayed seconds, decayed tokens, tokens]}
         self.classes: Dict[int, dict] = {}
+        self.cold = True  # no batch decoded in this process yet
+
+    @staticmethod
+    def _key(bsz: int) -> int:
+        return 1 << max(0, (bsz - 1).bit_length())
 
     def _class(self, bsz: int) -> dict:
-        key = 1 << max(0, (bsz - 1).bit_length())
         return self.classes.setdefault(
-            key, {"n": 0, AGGRESSIVE: [0, 0.0, 0.0], PLAIN: [0, 0.0, 0.0]})
+            self._key(bsz), {"n": 0, AGGRESSIVE: [0, 0.0, 0.0, 0], PLAIN: [0, 0.0, 0.0, 0]})
+
+    @classmethod
+    def _warm(cls, c: dict) -> bool:
+        return min(c[AGGRESSIVE][3], c[PLAIN][3]) >= cls.WARMUP_TOKENS
 
     @staticmethod
     def _rate(entry) -> float:
         return entry[1] / max(entry[2], 1e-9)
 
     def choose(self, bsz: int) -> str:
+        if self.cold:
+            return PLAIN
         c = self._class(bsz)
         c["n"] += 1
-        if min(c[AGGRESSIVE][0], c[PLAIN][0]) < self.WARMUP:
-            near = self._nearest_measured(bsz)
+        if not self._warm(c):
+            near = self._nearest_warm(bsz)
             if near is None:  # measure both, alternating
-                return AGGRESSIVE if c[AGGRESSIVE][0] <= c[PLAIN][0] else PLAIN
+                return AGGRESSIVE if c[AGGRESSIVE][3] <= c[PLAIN][3] else PLAIN
             c = dict(near, n=c["n"])
         best, other = ((AGGRESSIVE, PLAIN) if self._rate(c[AGGRESSIVE]) <= self._rate(c[PLAIN])
                        else (PLAIN, AGGRESSIVE))
         return other if c["n"] % self.EXPLORE_EVERY == 0 else best
 
-    def _nearest_measured(self, bsz: int) -> Optional[dict]:
-        done = [(abs(k.bit_length() - bsz.bit_length()), k) for k, c in self.classes.items()
-                if min(c[AGGRESSIVE][0], c[PLAIN][0]) >= self.WARMUP]
+    def _nearest_warm(self, bsz: int) -> Optional[dict]:
+        own = self._key(bsz).bit_length()
+        done = [(abs(k.bit_length() - own), k) for k, c in self.classes.items()
+                if self._warm(c) and 0 < abs(k.bit_length() - own) <= 1]
         return self.classes[min(done)[1]] if done else None
 
     def record(self, mode: str, bsz: int, seconds: float, tokens: int) -> None:
+        if self.cold:  # the process's first batch: one-time costs, not a measurement
+            self.cold = False
+            return
         entry = self._class(bsz)[mode]
         entry[0] += 1
         entry[1] = self.DECAY * entry[1] + seconds
         entry[2] = self.DECAY * entry[2] + tokens
+        entry[3] += tokens
 
 
 # ---- acceptance statistics ----------------------------------------------------------------
