@@ -346,7 +346,7 @@ def test_chooser_follows_the_faster_mode_per_batch_size():
     warm = 2 * -(-agg.SpeedChooser.WARMUP_TOKENS // 20)
     assert used1[warm:].count(A) > 3 * used1[warm:].count(P)
     assert used32[2:].count(P) > 3 * used32[2:].count(A)
-    # a batch size not measured yet follows a warm neighbour (24 -> class 32, 2 -> class 1)
+    # batch 24 is in class 32; batch 2 (class 2, not measured) follows its warm neighbour, class 1
     assert ch.choose(24) == P and ch.choose(2) == A
     # and measures on its own when none is near (class 8: both modes again)
     assert _feed(ch, 8, {A: 0.003, P: 0.001}, 2, 200) == [A, P]
