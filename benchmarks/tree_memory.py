@@ -10,7 +10,6 @@ processes that map them), and the peak summed RSS for reference.
     python benchmarks/tree_memory.py --batch 64 --subset test
 """
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fairseq_fastgen.compare import PLUGIN_DIR  # noqa: E402
+from fairseq_fastgen.compare import generate_command  # noqa: E402
 
 BUNDLE = ROOT / "examples" / "bible" / "bundle"
 
@@ -63,15 +62,8 @@ def main():
     args = [str(d), "--path", str(d / "checkpoint.pt"), "--source-lang", src, "--target-lang", tgt,
             "--gen-subset", a.subset, "--beam", str(a.beam), "--batch-size", str(a.batch),
             "--post-process", "sentencepiece", "--scoring", "sacrebleu"]
-    exe = str(Path(sys.executable).parent / "fairseq-generate")
     for who in ("stock", "plugin"):
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
-        cmd = [exe, *args]
-        if who == "plugin":
-            cmd += ["--user-dir", PLUGIN_DIR]
-            env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-        else:
-            env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+        cmd, env = generate_command(args, plugin=who == "plugin")
         code, pss, rss, n = sample_tree(cmd, env)
         print(f"{who}: exit {code}, {n} process(es), peak summed PSS {pss:.0f} MiB, "
               f"peak summed RSS {rss:.0f} MiB", flush=True)

@@ -78,10 +78,11 @@ class Comparison:
         return s + ")"
 
 
-def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] = (),
-                 entry: str = "fairseq-generate", stdin: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None, threads: Optional[int] = None) -> Run:
-    """Run one fairseq CLI process; stock runs get the torch>=2.6 loading workaround."""
+def generate_command(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] = (),
+                     entry: str = "fairseq-generate", env: Optional[Dict[str, str]] = None,
+                     threads: Optional[int] = None) -> Tuple[List[str], Dict[str, str]]:
+    """(command, environment) of one fairseq CLI process, stock or with the plugin; stock
+    runs get the torch>=2.6 loading workaround."""
     exe = str(Path(sys.executable).parent / entry)
     cmd = [exe, *args]
     e = dict(os.environ)
@@ -98,6 +99,14 @@ def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] =
             # official fairseq 0.12.2 crashes in its fused encoder path on current torch;
             # "stock" is then fairseq's own generator with only that path routed around.
             cmd += ["--user-dir", PLUGIN_DIR, "--fastgen-off"]
+    return cmd, e
+
+
+def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] = (),
+                 entry: str = "fairseq-generate", stdin: Optional[str] = None,
+                 env: Optional[Dict[str, str]] = None, threads: Optional[int] = None) -> Run:
+    """Run one fairseq CLI process (see :func:`generate_command`)."""
+    cmd, e = generate_command(args, plugin, plugin_args, entry, env, threads)
     t0 = time.perf_counter()
     stdout, stderr, code, rss = _run_measured(cmd, e, stdin)
     wall = time.perf_counter() - t0

@@ -124,11 +124,11 @@ class _Layer:
         self.scaling = sa.scaling
         qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
         self.qkv = TransposedLinear(qkv) if lossless and TransposedLinear.usable(qkv) else None
-        self.sa_out = projection([sa.out_proj], lossless)
-        self.fc1 = projection([layer.fc1], lossless)
-        self.fc2 = projection([layer.fc2], lossless)
-        self.ea_q = projection([ea.q_proj], lossless) if ea is not None else None
-        self.ea_out = projection([ea.out_proj], lossless) if ea is not None else None
+        self.sa_out = projection(sa.out_proj, lossless)
+        self.fc1 = projection(layer.fc1, lossless)
+        self.fc2 = projection(layer.fc2, lossless)
+        self.ea_q = projection(ea.q_proj, lossless) if ea is not None else None
+        self.ea_out = projection(ea.out_proj, lossless) if ea is not None else None
 
     def refresh(self) -> None:
         """Re-read copied weights that changed (the model may have trained since)."""
@@ -164,7 +164,7 @@ class FastDecoder:
             if vocab_pad and not bitwise and PaddedProjection.worthwhile(proj) else None)
         # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
         # callers normalize whole rows, then keep [..., :vocab]
-        self._out_t = projection([proj], transposed=not bitwise) if proj is not None else None
+        self._out_t = projection(proj, transposed=not bitwise) if proj is not None else None
         # blocked output projection + log_softmax (another GEMM blocking: lossless mode)
         self._blocked_lprobs = not bitwise and proj is not None and standard_normalization(model)
         self._lprob_buf: Optional[Tensor] = None

@@ -2,9 +2,9 @@
 
 ``nn.Linear`` computes ``x @ W.T`` with ``W`` stored (out, in): BLAS reads the transposed
 operand, and at the few rows of a decoder step (a sentence's beam, a small batch, the
-tail of a batch whose sentences finished) MKL runs that 1.3-1.8x slower than the same
-product with ``W.T`` stored contiguously (``addmm(b, x, Wt)``; measured in
-benchmarks/results/small_gemm.md).  Another GEMM kernel may round the last bit
+tail of a batch whose sentences finished) MKL ran that 1.3-1.8x slower on this project's
+CPU than the same product with ``W.T`` stored contiguously (``addmm(b, x, Wt)``, timed at
+the bundled models' shapes).  Another GEMM kernel may round the last bit
 differently, so this is a lossless-mode optimization; bitwise mode calls the modules.
 
 The copies cost one extra set of decoder weights in memory and are rebuilt whenever a
@@ -56,15 +56,12 @@ class TransposedLinear:
         return torch.addmm(self.bias, x, self.wt)
 
 
-def projection(linears: Sequence[nn.Module], transposed: bool) -> Callable[[Tensor], Tensor]:
-    """One callable for ``linears`` applied to the same input and concatenated: a
-    :class:`TransposedLinear` when ``transposed`` and usable, else the modules themselves
-    (in bitwise mode: exactly stock's GEMMs)."""
-    if transposed and TransposedLinear.usable(linears):
-        return TransposedLinear(linears)
-    if len(linears) == 1:
-        return linears[0]
-    return lambda x: torch.cat([l(x) for l in linears], dim=-1)
+def projection(linear: nn.Module, transposed: bool) -> Callable[[Tensor], Tensor]:
+    """``linear`` as a callable: a :class:`TransposedLinear` copy when ``transposed`` and
+    usable, else the module itself (in bitwise mode: exactly stock's GEMM)."""
+    if transposed and TransposedLinear.usable([linear]):
+        return TransposedLinear([linear])
+    return linear
 
 
 def refresh_all(projections: List[Callable]) -> None:
