@@ -17,7 +17,7 @@ order); only the attention reads a block of queries per row instead of one.  Res
 match stock fairseq's one-token steps to float rounding (other GEMM shapes), which the
 caller's near-tie rule accounts for.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +74,17 @@ class VerifyDecoder(FastDecoder):
             if cross is not None:
                 cross.select(rows, rows)
 
-    def forward(self, tokens: Tensor, start_pos: Tensor, out_rows: Optional[Tensor] = None) -> Tensor:
-        """tokens: (n, L) int64, row r's tokens at positions start_pos[r] + 0..L-1.
+    def forward(self, tokens: Tensor, start_pos: Tensor, out_rows: Optional[Tensor] = None,
+                bounds: Optional[Tuple[int, int]] = None, log_probs: bool = False,
+                temperature: float = 1.0) -> Tensor:
+        """tokens: (n, L) int64, row r's tokens at positions start_pos[r] + 0..L-1;
+        bounds: (lo, hi) with lo <= start_pos <= hi, when the caller knows them (saves
+        host reads; hi may be an upper bound).
 
         Returns logits (m, V') of the flat positions ``out_rows`` (indices into n*L;
-        all when None); V' >= ``self.vocab``, the columns past it -inf."""
+        all when None), or with ``log_probs`` their log-probabilities as
+        :meth:`FastDecoder.step` computes them; V' >= ``self.vocab``, the columns past it
+        -inf."""
         dec = self.decoder
         n, L = tokens.shape
         x = dec.embed_scale * dec.embed_tokens(tokens)
@@ -91,9 +97,11 @@ class VerifyDecoder(FastDecoder):
         if dec.layernorm_embedding is not None:
             x = dec.layernorm_embedding(x)
         x = x.reshape(n * L, x.size(-1))
-        t_max = int(start_pos.max()) + L
+        if bounds is None:
+            bounds = (int(start_pos.min()), int(start_pos.max()))
+        t_max = bounds[1] + L
         mask = None
-        if L > 1 or bool((start_pos != start_pos[0]).any()):
+        if L > 1 or bounds[0] != bounds[1]:
             # key i visible to query (r, j) iff i <= start_pos[r] + j
             keys = torch.arange(t_max, device=tokens.device)
             mask = (keys.view(1, 1, t_max) > pos.unsqueeze(2)).unsqueeze(1)  # (n, 1, L, T)
@@ -106,7 +114,10 @@ class VerifyDecoder(FastDecoder):
             x, _ = self._layer(l, i, x, False)
         if out_rows is not None:
             x = x.index_select(0, out_rows)
-        return self._project_out(self._final_features(x))
+        x = self._final_features(x)
+        if log_probs:
+            return self._log_probs(x, temperature)
+        return self._project_out(x)
 
     def _self_attention(self, l: _Layer, cache: RaggedKVCache, x: Tensor, rep: int = 1) -> Tensor:
         n, L, pos, rows, t_max, mask = self._ctx

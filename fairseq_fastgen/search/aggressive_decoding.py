@@ -267,6 +267,7 @@ class AggressiveGreedy:
             if reason is not None:
                 raise ValueError(f"draft model {gen.fastgen.draft_model}: {reason}")
         self._batches = 0
+        self._costs: Dict[tuple, Tensor] = {}
         src_dict = getattr(self.model.encoder, "dictionary", None)
         self.id_map = None
         if src_dict is not None and src_dict != gen.tgt_dict:
@@ -293,68 +294,76 @@ class AggressiveGreedy:
 
         encoder_outs = gen.model.forward_encoder(net_input)
         max_draft = max(0, min(MAX_DRAFT, max_len))
-        self.vd.start(encoder_outs[0], bsz, max_len, max_draft + 1)
+        W = max_draft + 1  # the widest block
+        self.vd.start(encoder_outs[0], bsz, max_len, W)
         del encoder_outs
         id_map = self.id_map.to(dev) if self.id_map is not None else None
         if self.draft_model is not None:
             drafts = DraftModelDrafts(self.draft_model, net_input, bsz, max_len, max_draft, eos,
                                       pad, gen.min_len)
         else:
-            drafts = SourceDrafts(src_tokens, pad, id_map, self.substitutions.table(dev))
+            drafts = SourceDrafts(src_tokens, pad, id_map, self.substitutions.table(dev),
+                                  vocab_size=len(gen.tgt_dict))
 
-        tokens = torch.full((bsz, max_len + 2), pad, dtype=torch.long, device=dev)
+        # W spare columns: a pass writes all its L positions; those past a row's emitted
+        # tokens are overwritten before anything reads them (reads stop at the row's step)
+        tokens = torch.full((bsz, max_len + 2 + W), pad, dtype=torch.long, device=dev)
         tokens[:, 0] = eos if bos_token is None else bos_token
-        cum_hist = torch.zeros(bsz, max_len + 1, dtype=torch.float, device=dev)
+        last_tok = tokens[:, :1].clone()  # (n, 1) each row's last token
+        cum_hist = torch.zeros(bsz, max_len + 1 + W, dtype=torch.float, device=dev)
         t = torch.zeros(bsz, dtype=torch.long, device=dev)
+        t_lo = t_hi = 0  # bounds of t on the host (conservative after rows leave)
         cum = torch.zeros(bsz, dtype=torch.float, device=dev)
         # per-row acceptance evidence (decayed counts of accepted / rejected draft positions)
         p0 = self._global_rate()
+        prior_s, prior_f = (1 - DECAY) * PRIOR_WEIGHT * p0, (1 - DECAY) * PRIOR_WEIGHT * (1 - p0)
         acc_s = torch.full((bsz,), PRIOR_WEIGHT * p0, dtype=torch.float, device=dev)
         acc_f = torch.full((bsz,), PRIOR_WEIGHT * (1 - p0), dtype=torch.float, device=dev)
         full_want = torch.full((bsz,), max_draft, dtype=torch.long, device=dev)
         ks = torch.arange(max_draft + 1, device=dev)
+        offs = torch.arange(W, device=dev)
         force_single = False
         orig = torch.arange(bsz, device=dev)
         src_lengths = src_lengths.clone()
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         st = self.stats
         st.sentences += bsz
-        # tokens, drafted, accepted, near ties: summed on the device, read once per batch
-        tally = torch.zeros(4, dtype=torch.long, device=dev)
+        # drafted, accepted, rejected-row counts: summed on the device, read once per batch
+        tally = torch.zeros(3, dtype=torch.long, device=dev)
 
-        while orig.numel() > 0:
+        while True:
             n = orig.numel()
-            if force_single or max_draft == 0:
-                d = torch.zeros_like(t)
-                draft = t.new_empty(n, 0)
-                dstart = d
-            else:
+            d = None
+            L = 1
+            if not force_single and max_draft > 0:
+                p_acc = acc_s / (acc_s + acc_f)
+                want = full_want[:n]
                 if self.draft_model is not None:
                     # every draft token costs a draft-model pass: choose k first
-                    k = self._block_len(full_want[:n], acc_s / (acc_s + acc_f), ks,
-                                        per_position=COST_DRAFT_STEP) - 1
-                    k = min(k, max_len - int(t.min()))
-                    draft, d, dstart = drafts.propose(tokens, t, full_want[:n].clamp(max=k), max_draft)
-                else:
-                    draft, d, dstart = drafts.propose(tokens, t, full_want[:n], max_draft)
+                    k = self._block_len(want, p_acc, ks, per_position=COST_DRAFT_STEP) - 1
+                    want = want.clamp(max=min(k, max_len - t_lo))
+                draft, d, dstart = drafts.propose(tokens, t, want, max_draft)
                 d = torch.minimum(d, max_len - t)
-                d = d.clamp(max=self._block_len(d, acc_s / (acc_s + acc_f), ks) - 1)
-            L = 1 + int(d.max())
-            inp = torch.cat([tokens.gather(1, t.unsqueeze(1)), draft[:, : L - 1]], dim=1)
-            inp.masked_fill_(inp.lt(0), pad)  # past the source's end: padding positions
+                L = self._block_len(d, p_acc, ks)  # <= 1 + max(d)
+                d = d.clamp(max=L - 1)
             if L == 1:
-                flat = None
-                rr = torch.arange(n, device=dev)
-                steps = t
+                inp, flat, rr, steps = last_tok, None, None, t
             else:
-                offs = torch.arange(L, device=dev)
-                valid = offs.unsqueeze(0) <= d.unsqueeze(1)
-                flat = valid.view(-1).nonzero().squeeze(1)
-                rr = flat // L
-                steps = t[rr] + flat % L
-            logits = self.vd.forward(inp, t, flat)
-            lprobs = self._lprobs(logits)
-            self._apply_rules(lprobs, steps, rr, tokens, inp, t, max_len, prefix_tokens)
+                # past the source's end: any token id (those positions are not read)
+                inp = torch.cat([last_tok, draft[:, : L - 1]], dim=1).clamp_(min=0)
+                if n == 1:  # d == L - 1: every position is read
+                    flat = None
+                    rr = torch.zeros(L, dtype=torch.long, device=dev)
+                    steps = t + offs[:L]
+                else:
+                    valid = offs[:L].unsqueeze(0) <= d.unsqueeze(1)
+                    flat = valid.view(-1).nonzero().squeeze(1)
+                    rr = flat // L
+                    steps = t[rr] + flat % L
+            lprobs = self.vd.forward(inp, t, flat, bounds=(t_lo, t_hi), log_probs=True,
+                                     temperature=gen.temperature)[:, : self.vd.vocab]
+            self._apply_rules(lprobs, steps, rr, tokens, inp, t, max_len, prefix_tokens,
+                              t_lo, t_hi + L - 1)
             st.passes += 1
             st.row_steps += n
 
@@ -362,109 +371,105 @@ class AggressiveGreedy:
                 # the regular one-token step: stock's BeamSearch.step at beam 1
                 cand = lprobs + cum.unsqueeze(1)
                 top_v, top_i = torch.topk(cand, k=min(2, cand.size(1) - 1))
-                P = top_i[:, :1]
-                CS = top_v[:, :1]
+                P, CS = top_i[:, :1], top_v[:, :1]
                 emit = torch.ones_like(t)
-                force_single = False
+                near = emit.new_zeros(())
             else:
                 top_v, top_i = torch.topk(lprobs, k=2)
-                jj = steps - t[rr]
+                jj = offs[:L] if flat is None else flat % L
                 eps = NEAR_TIE + ULP_REL * (cum[rr].abs() + 20.0 * jj)
                 sure = (top_v[:, 0] - top_v[:, 1]) > eps
-                P = torch.full((n * L,), -1, dtype=torch.long, device=dev)
-                P[flat] = top_i[:, 0]
-                P = P.view(n, L)
-                LP = torch.zeros(n * L, dtype=torch.float, device=dev)
-                LP[flat] = top_v[:, 0]
-                LP = LP.view(n, L)
-                ok = torch.zeros(n * L, dtype=torch.bool, device=dev)
-                ok[flat] = sure
-                ok = ok.view(n, L)
+                near = (~sure).sum()
+                if flat is None:
+                    P, LP = top_i[:, 0].view(n, L), top_v[:, 0].view(n, L)
+                    ok = sure.view(n, L)  # (sure is not read after this)
+                else:
+                    # positions past a row's draft: pad (never compared; written as junk)
+                    P = torch.full((n * L,), pad, dtype=torch.long, device=dev)
+                    P[flat] = top_i[:, 0]
+                    P = P.view(n, L)
+                    LP = torch.zeros(n * L, dtype=torch.float, device=dev)
+                    LP[flat] = top_v[:, 0]
+                    LP = LP.view(n, L)
+                    ok = torch.zeros(n * L, dtype=torch.bool, device=dev)
+                    ok[flat] = sure
+                    ok = ok.view(n, L)
                 ok[:, 1:] &= (P[:, :-1] == inp[:, 1:]) & (P[:, :-1] != eos)
                 emit = ok.long().cumprod(dim=1).sum(dim=1)
-                # running scores, one float32 add per step as stock does
-                CS = torch.empty(n, L, dtype=torch.float, device=dev)
-                c = cum
-                for j in range(L):
-                    c = c + LP[:, j]
-                    CS[:, j] = c
-                tally[3] += (~sure).sum()
-                force_single = bool((emit == 0).any())
+            last = (emit - 1).clamp(min=0)
+            new_last = P.gather(1, last.unsqueeze(1))
+            finished = emit.gt(0) & new_last.squeeze(1).eq(eos)
+            t_new = t + emit
+            # one host read per pass
+            emax, n_stuck, n_fin, t_hi, t_lo, n_near = torch.stack(
+                [emit.max(), emit.eq(0).sum(), finished.sum(), t_new.max(), t_new.min(), near]
+            ).tolist()
+            st.near_ties += n_near
+            force_single = n_stuck > 0
 
-            accepted = (emit - 1).clamp(min=0)
-            tally[0] += emit.sum()
-            tally[1] += d.sum()
-            tally[2] += torch.minimum(accepted, d).sum()
+            if emax > 0:
+                if L > 1:
+                    # running scores, one float32 add per step as stock does
+                    c, cols = cum, []
+                    for j in range(emax):
+                        c = c + LP[:, j]
+                        cols.append(c)
+                    CS = torch.stack(cols, dim=1)
+                tokens.scatter_(1, t.unsqueeze(1) + 1 + offs[: P.size(1)], P)
+                cum_hist.scatter_(1, t.unsqueeze(1) + offs[:emax], CS)
+                moved = emit.gt(0)
+                cum = torch.where(moved, CS.gather(1, last.unsqueeze(1)).squeeze(1), cum)
+                last_tok = torch.where(moved.unsqueeze(1), new_last, last_tok)
 
-            # write the emitted tokens and running scores
-            Lc = P.size(1)
-            e_mask = torch.arange(Lc, device=dev).unsqueeze(0) < emit.unsqueeze(1)
-            r_idx, j_idx = e_mask.nonzero(as_tuple=True)
-            tpos = t[r_idx] + j_idx
-            tokens[r_idx, tpos + 1] = P[r_idx, j_idx]
-            cum_hist[r_idx, tpos] = CS[r_idx, j_idx]
-            last = (emit - 1).clamp(min=0).unsqueeze(1)
-            cum = torch.where(emit > 0, CS.gather(1, last).squeeze(1), cum)
-            finished = (emit > 0) & P.gather(1, last).squeeze(1).eq(eos)
-
-            # adapt draft lengths
-            drafted = (d > 0) & (emit > 0)
-            # rows that did not draft drift back to the prior, so they try again later
-            idle = ~drafted
-            acc_s = torch.where(idle, DECAY * acc_s + (1 - DECAY) * PRIOR_WEIGHT * p0, acc_s)
-            acc_f = torch.where(idle, DECAY * acc_f + (1 - DECAY) * PRIOR_WEIGHT * (1 - p0), acc_f)
-            if bool(drafted.any()):
-                if self.draft_model is None:
-                    self._learn(drafts, inp, P, d, accepted, emit)
-                a = torch.minimum(accepted, d).float()
-                rejected = (accepted < d).float()
-                acc_s = torch.where(drafted, DECAY * acc_s + a, acc_s)
-                acc_f = torch.where(drafted, DECAY * acc_f + rejected, acc_f)
-                self._seen_s += float(a[drafted].sum())
-                self._seen_f += float(rejected[drafted].sum())
-            drafts.advance(dstart, accepted, d, emit > 0)
-            t = t + emit
-            if bool(((t > max_len) & ~finished).any()):
+            if d is not None:
+                # adapt draft lengths; rows that did not draft drift back to the prior, so
+                # they try again later
+                a = torch.minimum(last, d)
+                drafted = d.gt(0) & emit.gt(0)
+                rejected = drafted & last.lt(d)
+                acc_s = torch.where(drafted, DECAY * acc_s + a, DECAY * acc_s + prior_s)
+                acc_f = torch.where(drafted, DECAY * acc_f + rejected, DECAY * acc_f + prior_f)
+                tally += torch.stack([d.sum(), a.sum(), rejected.sum()])
+                if self.draft_model is None and L > 1:
+                    # accepted draft positions, and the first rejected one with the model's token
+                    seen = offs[: L - 1].unsqueeze(0) < (a + rejected).unsqueeze(1)
+                    self.substitutions.observe(drafts.last_orig[:, : L - 1][seen], P[:, : L - 1][seen])
+                drafts.advance(dstart, last, d, emit.gt(0))
+            t = t_new
+            if t_hi > max_len and bool(((t > max_len) & ~finished).any()):
                 # eos itself banned at the length limit (e.g. --no-repeat-ngram-size 1):
                 # stock's loop fails the same way
                 raise AssertionError(f"{max_len} < {max_len}")
 
-            if bool(finished.any()):
-                fin = finished.nonzero().squeeze(1).tolist()
+            if n_fin:
+                fin = finished.nonzero().squeeze(1)
+                ftoks, fhist = tokens.index_select(0, fin), cum_hist.index_select(0, fin)
                 orig_l = orig.tolist()
-                for r in fin:
-                    self._finalize(finalized, orig_l[r], tokens[r], cum_hist[r], int(t[r]) - 1,
-                                   src_lengths[r])
-                keep = (~finished).nonzero().squeeze(1)
-                if keep.numel() == 0:
+                for i, (r, tr) in enumerate(zip(fin.tolist(), t.index_select(0, fin).tolist())):
+                    self._finalize(finalized, orig_l[r], ftoks[i], fhist[i], tr - 1, src_lengths[r])
+                    st.tokens += tr
+                if n_fin == n:
                     break
+                keep = (~finished).nonzero().squeeze(1)
                 tokens, cum_hist, t, cum = tokens[keep], cum_hist[keep], t[keep], cum[keep]
-                acc_s, acc_f, orig = acc_s[keep], acc_f[keep], orig[keep]
+                acc_s, acc_f, orig, last_tok = acc_s[keep], acc_f[keep], orig[keep], last_tok[keep]
                 src_lengths = src_lengths[keep]
                 if prefix_tokens is not None:
                     prefix_tokens = prefix_tokens[keep]
                 drafts.select(keep)
                 self.vd.select(keep)
 
-        st.tokens, st.drafted, st.accepted, st.near_ties = (
-            a + b for a, b in zip((st.tokens, st.drafted, st.accepted, st.near_ties), tally.tolist()))
+        drafted, accepted, rejected = tally.tolist()
+        st.drafted += drafted
+        st.accepted += accepted
+        self._seen_s += accepted
+        self._seen_f += rejected
         self._batches += 1
         if self._batches == 1 or self._batches % 100 == 0:
             logger.info("fairseq-fastgen: %s", st)
         return finalized
 
     # ---- pieces -----------------------------------------------------------------------
-
-    def _learn(self, drafts, inp, P, d, accepted, emit) -> None:
-        """Feed the substitution memory: accepted draft positions, and the first rejected
-        one with the model's own token."""
-        Lm1 = inp.size(1) - 1
-        j = torch.arange(Lm1, device=inp.device).unsqueeze(0)
-        acc = (j < accepted.unsqueeze(1)) & (j < d.unsqueeze(1))
-        rej = (j == accepted.unsqueeze(1)) & (accepted < d).unsqueeze(1) & (emit == accepted + 1).unsqueeze(1)
-        seen = acc | rej
-        self.substitutions.observe(drafts.last_orig[:, :Lm1][seen], inp[:, 1:][seen],
-                                   P[:, :Lm1][seen], acc[seen])
 
     def _global_rate(self) -> float:
         """Acceptance rate of draft positions so far (prior of every new row)."""
@@ -476,45 +481,50 @@ class AggressiveGreedy:
 
         Row r with draft length k and per-position acceptance p_r yields
         (1 - p_r^(k+1)) / (1 - p_r) tokens in expectation; a pass over n rows and L
-        positions costs 1 + COST_ROW_TOKEN*n*L + COST_POSITION*L (in one-token steps)."""
+        positions costs 1 + COST_ROW_TOKEN*n*L + COST_POSITION*L (in one-token steps).
+        avail, p: (n,) draft tokens available and acceptance per row; ks: arange(K)."""
         n = avail.numel()
         p = p.clamp(max=0.98).unsqueeze(1)
-        k = torch.minimum(ks.unsqueeze(0), avail.unsqueeze(1))  # (n, K)
-        gain = ((1 - p.pow(k + 1)) / (1 - p)).sum(dim=0)
-        L = (ks + 1).float()
-        cost = 1.0 + COST_ROW_TOKEN * n * L + (COST_POSITION + per_position) * L
-        return int((gain / cost).argmax()) + 1
+        k1 = torch.minimum(ks, avail.unsqueeze(1)) + 1  # (n, K)
+        gain = ((1 - p.pow(k1)) / (1 - p)).sum(dim=0)
+        return int((gain / self._cost(n, ks, per_position)).argmax()) + 1
 
-    def _lprobs(self, logits: Tensor) -> Tensor:
-        gen = self.gen
-        if gen.temperature != 1.0:
-            logits = logits.div_(gen.temperature)
-        probs = self.model.get_normalized_probs((logits.unsqueeze(1), None), log_probs=True, sample=None)
-        return probs[:, 0, : self.vd.vocab]
+    def _cost(self, n: int, ks: Tensor, per_position: float) -> Tensor:
+        key = (n, ks.numel(), per_position, ks.device)
+        cost = self._costs.get(key)
+        if cost is None:
+            L = (ks + 1).float()
+            cost = self._costs[key] = 1.0 + COST_ROW_TOKEN * n * L + (COST_POSITION + per_position) * L
+        return cost
 
-    def _apply_rules(self, lprobs: Tensor, steps: Tensor, rr: Tensor, tokens: Tensor, inp: Tensor,
-                     t: Tensor, max_len: int, prefix_tokens: Optional[Tensor]) -> None:
+    def _apply_rules(self, lprobs: Tensor, steps: Tensor, rr: Optional[Tensor], tokens: Tensor,
+                     inp: Tensor, t: Tensor, max_len: int, prefix_tokens: Optional[Tensor],
+                     lo: int, hi: int) -> None:
         """Stock SequenceGenerator's per-step masking, each row at its own step, in place.
 
-        lprobs (m, V) rows = positions; steps (m,) their step; rr (m,) their batch row."""
+        lprobs (m, V) rows = positions; steps (m,) their step; rr (m,) their batch row
+        (None: position i is row i); lo <= steps <= hi (host bounds: skip what cannot apply)."""
         gen = self.gen
         eos, pad, unk = gen.eos, gen.pad, gen.unk
         if not (self.vd.logits_finite and gen.temperature >= 1.0):
             lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
         lprobs[:, pad] = -math.inf
-        lprobs[:, unk] -= gen.unk_penalty
-        at_max = steps >= max_len
-        if bool(at_max.any()):
-            idx = at_max.nonzero().squeeze(1)
-            keep = lprobs[idx, eos].clone()
-            lprobs[idx] = -math.inf
-            lprobs[idx, eos] = keep
+        if gen.unk_penalty != 0:  # x - 0.0 == x: stock's subtraction changes nothing then
+            lprobs[:, unk] -= gen.unk_penalty
+        if hi >= max_len:
+            at_max = steps >= max_len
+            if bool(at_max.any()):
+                idx = at_max.nonzero().squeeze(1)
+                keep = lprobs[idx, eos].clone()
+                lprobs[idx] = -math.inf
+                lprobs[idx, eos] = keep
         in_prefix = None
-        if prefix_tokens is not None:
+        if prefix_tokens is not None and lo < prefix_tokens.size(1):
             plen = prefix_tokens.size(1)
             in_prefix = (steps < plen) & (steps < max_len)
             if bool(in_prefix.any()):
-                ptok = prefix_tokens[rr, steps.clamp(max=plen - 1)]
+                rows = prefix_tokens if rr is None else prefix_tokens.index_select(0, rr)
+                ptok = rows.gather(1, steps.clamp(max=plen - 1).unsqueeze(1)).squeeze(1)
                 forced = in_prefix & ptok.ne(pad)
                 if bool(forced.any()):
                     idx = forced.nonzero().squeeze(1)
@@ -522,7 +532,7 @@ class AggressiveGreedy:
                     keep = lprobs[idx, tok].clone()
                     lprobs[idx] = -math.inf
                     lprobs[idx, tok] = keep
-        if gen.min_len > 0:
+        if lo < gen.min_len:
             ban = steps < gen.min_len
             if in_prefix is not None:
                 ban &= ~in_prefix
@@ -531,13 +541,16 @@ class AggressiveGreedy:
         blocker = gen.repeat_ngram_blocker
         if blocker is not None:
             n = blocker.no_repeat_ngram_size
-            if int(steps.max()) - n + 2 > 0:
+            if hi - n + 2 > 0:
+                # the hypothesis including the draft tokens before each position (tokens has
+                # room: columns past a row's step are not read)
                 L = inp.size(1)
-                hist = torch.cat([tokens, tokens.new_full((tokens.size(0), L), pad)], dim=1)
+                hist = tokens
                 if L > 1:
                     cols = t.unsqueeze(1) + 1 + torch.arange(L - 1, device=t.device)
-                    hist.scatter_(1, cols, inp[:, 1:])
-                ban_repeated_ngrams_ragged(hist.index_select(0, rr), steps, lprobs, n)
+                    hist = tokens.scatter(1, cols, inp[:, 1:])
+                ban_repeated_ngrams_ragged(hist if rr is None else hist.index_select(0, rr),
+                                           steps, lprobs, n)
 
     def _finalize(self, finalized, sent: int, tokens: Tensor, cum_hist: Tensor, step: int,
                   src_length: Tensor) -> None:

@@ -26,10 +26,11 @@ class SourceDrafts:
     MAX_ORDER = 3
 
     def __init__(self, src_tokens: Tensor, pad: int, id_map: Optional[Tensor] = None,
-                 substitutions: Optional[Tensor] = None):
+                 substitutions: Optional[Tensor] = None, vocab_size: Optional[int] = None):
         """src_tokens: (n, S) source ids (left or right padded); id_map: source id ->
         target id (None when the dictionaries are the same); substitutions: target id ->
-        the id to draft instead (:class:`SubstitutionMemory`)."""
+        the id to draft instead (:class:`SubstitutionMemory`); vocab_size: the target
+        dictionary's size (hypothesis ids are below it)."""
         is_pad = src_tokens.eq(pad)
         # non-pad tokens first, order kept (stable sort of the pad flags)
         order = torch.sort(is_pad.to(torch.int8), dim=1, stable=True).indices
@@ -38,7 +39,8 @@ class SourceDrafts:
             src = id_map[src]
         self.src_len = (~is_pad).sum(dim=1)
         self.width = src.size(1)
-        self.cols = torch.arange(self.width, device=src.device)
+        dev = src.device
+        self.cols = torch.arange(self.width, device=dev)
         src = src.masked_fill(self.cols.unsqueeze(0) >= self.src_len.unsqueeze(1), -1)
         # one extra -1 column so gathers past the end read "no token"
         self.orig = torch.cat([src, src.new_full((src.size(0), 1), -1)], dim=1)
@@ -46,12 +48,37 @@ class SourceDrafts:
         if substitutions is not None:
             self.src = torch.where(self.orig >= 0, substitutions[self.orig.clamp(min=0)], self.orig)
         self.ptr = torch.full_like(self.src_len, -1)  # source index aligned with the last token
+        # n-gram keys: one integer per (order, source position) and per hypothesis suffix,
+        # so that all orders match in one comparison
+        if vocab_size is None:
+            vocab_size = max(int(src_tokens.max()) + 1, 1) if src_tokens.numel() else 1
+            if id_map is not None:
+                vocab_size = max(vocab_size, int(id_map.max()) + 1)
+        self._base = vocab_size + 1
+        self._pow = self._base ** torch.arange(self.MAX_ORDER, device=dev)
+        self._orders = torch.arange(1, self.MAX_ORDER + 1, device=dev)
+        self._keys = self._source_keys(self.src[:, : self.width])
+        self._ar_width = None
+
+    def _source_keys(self, src: Tensor) -> Tensor:
+        """(n, MAX_ORDER, W) key of the n-gram of order k+1 ending at each source position
+        (-1 where it does not exist)."""
+        n, w = src.shape
+        s1 = src + 1  # 0: no token
+        keys, acc, valid = [], torch.zeros_like(s1), torch.ones_like(s1, dtype=torch.bool)
+        for k in range(self.MAX_ORDER):
+            shifted = torch.cat([s1.new_zeros(n, min(k, w)), s1[:, : max(w - k, 0)]], dim=1)
+            acc = acc + shifted * self._pow[k]
+            valid = valid & shifted.gt(0)
+            keys.append(acc.masked_fill(~valid, -1))
+        return torch.stack(keys, dim=1)
 
     def select(self, rows: Tensor) -> None:
         self.src = self.src.index_select(0, rows)
         self.orig = self.orig.index_select(0, rows)
         self.src_len = self.src_len.index_select(0, rows)
         self.ptr = self.ptr.index_select(0, rows)
+        self._keys = self._keys.index_select(0, rows)
 
     def propose(self, tokens: Tensor, t: Tensor, want: Tensor, width: int):
         """tokens: (n, >=max(t)+1) hypotheses with BOS in column 0; t: (n,) tokens
@@ -59,36 +86,26 @@ class SourceDrafts:
 
         Returns (draft (n, width) int64, length (n,) int64, start (n,) source index of the
         first draft token)."""
-        src = self.src[:, : self.width]
-        n = src.size(0)
-        match = None
-        best = torch.zeros(n, dtype=torch.bool, device=src.device)
-        chosen = torch.zeros(n, self.width, dtype=torch.bool, device=src.device)
-        eq_run = None
-        for k in range(1, self.MAX_ORDER + 1):
-            g = tokens.gather(1, (t - (k - 1)).clamp(min=0).unsqueeze(1))  # k-th last token
-            eq = src.eq(g)
-            if k > 1 and k - 1 >= self.width:
-                eq_run = torch.zeros_like(eq)
-            elif k > 1:
-                eq = torch.cat([eq.new_zeros(n, k - 1), eq[:, : self.width - (k - 1)]], dim=1)
-                eq_run = eq_run & eq
-            else:
-                eq_run = eq
-            match = eq_run & (t >= k).unsqueeze(1)
-            has = match.any(dim=1)
-            # a longer match overrides a shorter one
-            chosen = torch.where(has.unsqueeze(1), match, chosen)
-            best |= has
+        n = t.size(0)
+        # the hypothesis' last 1..3 tokens (most recent first) and their keys
+        last = tokens.gather(1, (t.unsqueeze(1) - self._orders + 1).clamp(min=0))
+        q = ((last + 1) * self._pow).cumsum(dim=1)
+        q = q.masked_fill(self._orders.unsqueeze(0) > t.unsqueeze(1), -2)  # order > generated
+        match = self._keys.eq(q.unsqueeze(2))  # (n, orders, W)
+        # the longest order that matches anywhere wins
+        order = (match.any(dim=2) * self._orders).amax(dim=1)  # (n,) 0: no match
+        best = order.gt(0)
+        chosen = match.gather(1, (order - 1).clamp(min=0).view(n, 1, 1).expand(n, 1, self.width))
         # several matches: the one nearest to the running alignment
         dist = (self.cols.unsqueeze(0) - self.ptr.unsqueeze(1)).abs()
-        dist = dist.masked_fill(~chosen, 1 << 30)
-        end = dist.argmin(dim=1)
+        end = dist.masked_fill(~chosen.squeeze(1), 1 << 30).argmin(dim=1)
         # no match (a word the source does not have): assume it replaced the aligned
         # source token and continue after it
         start = torch.where(best, end + 1, self.ptr + 1).clamp(min=0)
         length = torch.minimum(want, self.src_len - start).clamp(min=0)
-        idx = (start.unsqueeze(1) + torch.arange(width, device=src.device)).clamp(max=self.width)
+        if self._ar_width is None or self._ar_width.numel() != width:
+            self._ar_width = torch.arange(width, device=t.device)
+        idx = (start.unsqueeze(1) + self._ar_width).clamp(max=self.width)
         draft = self.src.gather(1, idx)
         self.last_orig = self.orig.gather(1, idx)
         return draft, length, start
@@ -108,7 +125,9 @@ class SubstitutionMemory:
     pair is counted; ``x`` is drafted as ``y`` from the next batch on once ``x -> y`` has
     been seen at least twice and more often than ``x`` was accepted as itself (KJV ->
     WEB: "Thy" -> "Your", "LORD" -> "Yahweh", "unto" -> "to").  Speed only: every
-    drafted token is verified.
+    drafted token is verified.  Observations are kept on the device as ``x * V + y``
+    keys and counted when the table is rebuilt, so a verification pass pays no host
+    round trip for them.
     """
 
     MIN_COUNT = 2
@@ -116,44 +135,65 @@ class SubstitutionMemory:
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
-        self.pairs = {}  # (x, y) -> count, y != x
-        self.kept = torch.zeros(vocab_size, dtype=torch.long)  # x accepted as x
+        self._new: list = []  # key tensors observed since the last count
+        self._keys: Optional[Tensor] = None  # distinct keys counted so far (sorted)
+        self._counts: Optional[Tensor] = None
         self._table: Optional[Tensor] = None
-        self._stale = False  # pairs seen since the table was built
         self._calls = 0
 
-    def observe(self, orig: Tensor, drafted: Tensor, model: Tensor, accepted: Tensor) -> None:
-        """orig, drafted: (m,) source token and the token drafted for it; model: (m,) the
-        model's token at that position; accepted: (m,) bool whether the draft held."""
-        same = accepted & drafted.eq(orig)
-        if bool(same.any()):
-            self.kept.index_add_(0, orig[same].cpu(), torch.ones(int(same.sum()), dtype=torch.long))
-        other = ~same & orig.ge(0) & model.ge(0)
-        if bool(other.any()):
-            for x, y in zip(orig[other].tolist(), model[other].tolist()):
-                if x == y:
-                    self.kept[x] += 1
-                else:
-                    self.pairs[(x, y)] = self.pairs.get((x, y), 0) + 1
-            self._stale = True
+    def observe(self, orig: Tensor, model: Tensor) -> None:
+        """orig: (m,) source tokens at verified draft positions (accepted ones, and the
+        first rejected one of a row); model: (m,) the model's token there (-1 entries
+        are ignored)."""
+        self._new.append((orig * self.vocab_size + model)[orig.ge(0) & model.ge(0)])
+
+    def _count(self) -> None:
+        keys = torch.cat([k.cpu() for k in self._new])
+        self._new = []
+        counts = torch.ones_like(keys)
+        if self._keys is not None:
+            keys = torch.cat([self._keys, keys])
+            counts = torch.cat([self._counts, counts])
+        self._keys, inverse = torch.unique(keys, return_inverse=True)
+        self._counts = torch.zeros_like(self._keys).index_add_(0, inverse, counts)
+
+    def pairs(self) -> dict:
+        """{(x, y): count} of everything observed (y == x: x accepted as itself)."""
+        if self._new:
+            self._count()
+        if self._keys is None:
+            return {}
+        v = self.vocab_size
+        return {(k // v, k % v): c for k, c in zip(self._keys.tolist(), self._counts.tolist())}
 
     def table(self, device) -> Optional[Tensor]:
-        if not self.pairs:
+        """(V,) target id -> id to draft instead, or None before anything was learned."""
+        if self._table is None and not self._new:
             return None
         self._calls += 1
-        # rebuilt from all pairs seen (a Python pass over them) at most every REBUILD_EVERY
-        # batches: at batch 1 new pairs arrive with almost every sentence
-        if self._table is None or (self._stale and self._calls % self.REBUILD_EVERY == 0):
-            self._stale = False
-            best = {}
-            for (x, y), c in self.pairs.items():
-                if c >= self.MIN_COUNT and c > int(self.kept[x]) and c > best.get(x, (0, -1))[0]:
-                    best[x] = (c, y)
-            tab = torch.arange(self.vocab_size)
-            for x, (_, y) in best.items():
-                tab[x] = y
-            self._table = tab
+        # recounted at most every REBUILD_EVERY batches: at batch 1 new observations
+        # arrive with almost every sentence
+        if self._table is None or (self._new and self._calls % self.REBUILD_EVERY == 0):
+            self._count()
+            self._table = self._build()
         return self._table.to(device)
+
+    def _build(self) -> Tensor:
+        v = self.vocab_size
+        x, y, c = self._keys // v, self._keys % v, self._counts
+        kept = torch.zeros(v, dtype=torch.long).index_add_(0, x[x == y], c[x == y])
+        cand = (x != y) & (c >= self.MIN_COUNT) & (c > kept[x])
+        x, y, c = x[cand], y[cand], c[cand]
+        tab = torch.arange(v)
+        if x.numel():
+            # per x the most frequent y (keys are sorted by x, then y: the smallest y on ties)
+            best = torch.zeros(v, dtype=torch.long).scatter_reduce_(0, x, c, reduce="amax")
+            top = c == best[x]
+            xs, ys = x[top], y[top]
+            first = torch.ones_like(xs, dtype=torch.bool)
+            first[1:] = xs[1:] != xs[:-1]
+            tab[xs[first]] = ys[first]
+        return tab
 
 
 class DraftModelDrafts:
