@@ -331,9 +331,19 @@ def test_chooser_first_batch_plain_and_unmeasured():
     warm = -(-agg.SpeedChooser.WARMUP_TOKENS // 20)
     assert used[: 2 * warm] == [A, P] * warm
     rest = used[2 * warm:]
-    assert rest.count(A) == sum(1 for i in range(2 * warm + 1, 41)
-                                if i % agg.SpeedChooser.EXPLORE_EVERY == 0)
+    every = ch.explore_every(ch._class(1))
+    assert every == agg.SpeedChooser.EXPLORE_RARELY  # PLAIN is clearly (2x) faster
+    assert rest.count(A) == sum(1 for i in range(2 * warm + 1, 41) if i % every == 0)
     assert rest.count(A) >= 1  # the slower mode is still tried now and then
+
+
+def test_chooser_explores_often_while_the_modes_are_close():
+    ch = agg.SpeedChooser()
+    _feed(ch, 1, {A: 0.0, P: 0.0}, 1, 20)  # the cold batch
+    used = _feed(ch, 1, {A: 0.0011, P: 0.001}, 40, 20)
+    assert ch.explore_every(ch._class(1)) == agg.SpeedChooser.EXPLORE_EVERY
+    warm = 2 * -(-agg.SpeedChooser.WARMUP_TOKENS // 20)
+    assert used[warm:].count(A) >= 3
 
 
 def test_chooser_follows_the_faster_mode_per_batch_size():

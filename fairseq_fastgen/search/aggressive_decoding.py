@@ -132,13 +132,16 @@ class SpeedChooser:
     class (powers of two) alternates the two modes until each has produced
     ``WARMUP_TOKENS`` tokens, and from then on decodes with the one of fewer seconds per
     output token (decayed sums of seconds and of tokens: robust to sentences of
-    different lengths), trying the other again every ``EXPLORE_EVERY`` batches.  A
+    different lengths), trying the other again every ``EXPLORE_EVERY`` batches
+    (``EXPLORE_RARELY`` once one mode is more than ``CLEAR_GAP`` times faster).  A
     class not warmed up yet follows a warm neighbouring class (half or twice its size:
     e.g. the smaller last batch of a run), else measures on its own.
     """
 
     WARMUP_TOKENS = 64  # per mode and class: one batch of 32, about three single sentences
-    EXPLORE_EVERY = 8
+    EXPLORE_EVERY = 8  # batches, while the modes are within CLEAR_GAP of each other
+    EXPLORE_RARELY = 32  # batches, once one mode is clearly faster
+    CLEAR_GAP = 1.25
     DECAY = 0.8  # weight of the past in the decayed sums, per batch of that mode
 
     def __init__(self):
@@ -174,7 +177,13 @@ class SpeedChooser:
             c = dict(near, n=c["n"])
         best, other = ((AGGRESSIVE, PLAIN) if self._rate(c[AGGRESSIVE]) <= self._rate(c[PLAIN])
                        else (PLAIN, AGGRESSIVE))
-        return other if c["n"] % self.EXPLORE_EVERY == 0 else best
+        return other if c["n"] % self.explore_every(c) == 0 else best
+
+    def explore_every(self, c: dict) -> int:
+        """How often (in batches) a warm class tries its slower mode again: often while
+        the two are close, rarely once one is clearly faster (each try costs the gap)."""
+        fast, slow = sorted((self._rate(c[AGGRESSIVE]), self._rate(c[PLAIN])))
+        return self.EXPLORE_RARELY if slow > self.CLEAR_GAP * fast else self.EXPLORE_EVERY
 
     def _nearest_warm(self, bsz: int) -> Optional[dict]:
         own = self._key(bsz).bit_length()
