@@ -340,7 +340,7 @@ class AggressiveGreedy:
         # drafted, accepted, rejected-row counts: summed on the device, read once per batch
         tally = torch.zeros(3, dtype=torch.long, device=dev)
 
-        while True:
+        while orig.numel() > 0:
             n = orig.numel()
             d = None
             L = 1
