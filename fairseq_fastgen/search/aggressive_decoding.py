@@ -233,13 +233,18 @@ class AcceptanceStats:
 
 # ---- n-gram ban with a step per row ------------------------------------------------------
 
-def ban_repeated_ngrams_ragged(tokens: Tensor, steps: Tensor, lprobs: Tensor, n: int) -> None:
+def ban_repeated_ngrams_ragged(tokens: Tensor, steps: Tensor, lprobs: Tensor, n: int,
+                               max_step: Optional[int] = None) -> None:
     """``ngram_blocker.ban_repeated_ngrams`` with its own step per row, in place.
 
     tokens: (rows, W) hypotheses (column 0 is BOS; columns after a row's step ignored);
-    steps: (rows,) int64; lprobs: (rows, vocab)."""
+    steps: (rows,) int64; lprobs: (rows, vocab); max_step: an upper bound of steps known
+    on the host (saves reading it; W > max_step needed)."""
     starts = steps - n + 2
-    ms = int(starts.max()) if starts.numel() else 0
+    if max_step is not None:
+        ms = max_step - n + 2
+    else:
+        ms = int(starts.max()) if starts.numel() else 0
     if ms <= 0:
         return
     banned = tokens[:, n - 1 : n - 1 + ms]
@@ -406,8 +411,9 @@ class AggressiveGreedy:
                 ok[:, 1:] &= (P[:, :-1] == inp[:, 1:]) & (P[:, :-1] != eos)
                 emit = ok.long().cumprod(dim=1).sum(dim=1)
             last = (emit - 1).clamp(min=0)
+            moved = emit.gt(0)
             new_last = P.gather(1, last.unsqueeze(1))
-            finished = emit.gt(0) & new_last.squeeze(1).eq(eos)
+            finished = moved & new_last.squeeze(1).eq(eos)
             t_new = t + emit
             # one host read per pass
             emax, n_stuck, n_fin, t_hi, t_lo, n_near = torch.stack(
@@ -426,7 +432,6 @@ class AggressiveGreedy:
                     CS = torch.stack(cols, dim=1)
                 tokens.scatter_(1, t.unsqueeze(1) + 1 + offs[: P.size(1)], P)
                 cum_hist.scatter_(1, t.unsqueeze(1) + offs[:emax], CS)
-                moved = emit.gt(0)
                 cum = torch.where(moved, CS.gather(1, last.unsqueeze(1)).squeeze(1), cum)
                 last_tok = torch.where(moved.unsqueeze(1), new_last, last_tok)
 
@@ -434,7 +439,7 @@ class AggressiveGreedy:
                 # adapt draft lengths; rows that did not draft drift back to the prior, so
                 # they try again later
                 a = torch.minimum(last, d)
-                drafted = d.gt(0) & emit.gt(0)
+                drafted = d.gt(0) & moved
                 rejected = drafted & last.lt(d)
                 acc_s = torch.where(drafted, DECAY * acc_s + a, DECAY * acc_s + prior_s)
                 acc_f = torch.where(drafted, DECAY * acc_f + rejected, DECAY * acc_f + prior_f)
@@ -443,7 +448,7 @@ class AggressiveGreedy:
                     # accepted draft positions, and the first rejected one with the model's token
                     seen = offs[: L - 1].unsqueeze(0) < (a + rejected).unsqueeze(1)
                     self.substitutions.observe(drafts.last_orig[:, : L - 1][seen], P[:, : L - 1][seen])
-                drafts.advance(dstart, last, d, emit.gt(0))
+                drafts.advance(dstart, last, d, moved)
             t = t_new
             if t_hi > max_len and bool(((t > max_len) & ~finished).any()):
                 # eos itself banned at the length limit (e.g. --no-repeat-ngram-size 1):
@@ -452,11 +457,11 @@ class AggressiveGreedy:
 
             if n_fin:
                 fin = finished.nonzero().squeeze(1)
-                ftoks, fhist = tokens.index_select(0, fin), cum_hist.index_select(0, fin)
-                orig_l = orig.tolist()
-                for i, (r, tr) in enumerate(zip(fin.tolist(), t.index_select(0, fin).tolist())):
-                    self._finalize(finalized, orig_l[r], ftoks[i], fhist[i], tr - 1, src_lengths[r])
-                    st.tokens += tr
+                lengths, sents, src_lens = torch.stack(
+                    [t[fin], orig[fin], src_lengths[fin].to(t.dtype)]).tolist()
+                self._finalize(finalized, tokens.index_select(0, fin), cum_hist.index_select(0, fin),
+                               lengths, sents, src_lens)
+                st.tokens += sum(lengths)
                 if n_fin == n:
                     break
                 keep = (~finished).nonzero().squeeze(1)
@@ -559,25 +564,31 @@ class AggressiveGreedy:
                     cols = t.unsqueeze(1) + 1 + torch.arange(L - 1, device=t.device)
                     hist = tokens.scatter(1, cols, inp[:, 1:])
                 ban_repeated_ngrams_ragged(hist if rr is None else hist.index_select(0, rr),
-                                           steps, lprobs, n)
+                                           steps, lprobs, n, max_step=hi)
 
-    def _finalize(self, finalized, sent: int, tokens: Tensor, cum_hist: Tensor, step: int,
-                  src_length: Tensor) -> None:
-        """One hypothesis, exactly as fairseq's ``finalize_hypos`` builds it."""
+    def _finalize(self, finalized, tokens: Tensor, cum_hist: Tensor, lengths: List[int],
+                  sents: List[int], src_lens: List[int]) -> None:
+        """Finished hypotheses, exactly as fairseq's ``finalize_hypos`` builds them.
+
+        tokens: (f, W) their rows (BOS first); cum_hist: (f, W') running scores; lengths:
+        tokens of each (eos included); sents: their sentence; src_lens: source lengths."""
         gen = self.gen
-        toks = tokens[1 : step + 2].clone()
-        toks[step] = gen.eos
-        pos = cum_hist[: step + 1].clone()
-        score = pos[step].clone()
-        pos[1:] = pos[1:] - pos[:-1]
-        if gen.normalize_scores:
-            score /= (step + 1) ** gen.len_penalty
-        if gen.match_source_len and step > src_length:
-            score = torch.tensor(-math.inf)
-        finalized[sent].append({
-            "tokens": toks,
-            "score": score,
-            "attention": torch.empty(0),
-            "alignment": torch.empty(0),
-            "positional_scores": pos,
-        })
+        steps = torch.tensor(lengths, device=tokens.device) - 1
+        toks = tokens[:, 1:].scatter_(1, steps.unsqueeze(1), gen.eos)
+        # positional scores: differences of the running scores (float32, as stock)
+        pos = torch.cat([cum_hist[:, :1], cum_hist[:, 1:] - cum_hist[:, :-1]], dim=1)
+        scores = cum_hist.gather(1, steps.unsqueeze(1)).squeeze(1)
+        for i, (n_tok, sent, src_len) in enumerate(zip(lengths, sents, src_lens)):
+            step = n_tok - 1
+            score = scores[i]
+            if gen.normalize_scores:
+                score = score / (step + 1) ** gen.len_penalty
+            if gen.match_source_len and step > src_len:
+                score = torch.tensor(-math.inf)
+            finalized[sent].append({
+                "tokens": toks[i, :n_tok],
+                "score": score,
+                "attention": torch.empty(0),
+                "alignment": torch.empty(0),
+                "positional_scores": pos[i, :n_tok],
+            })

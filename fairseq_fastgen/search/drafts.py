@@ -26,11 +26,11 @@ class SourceDrafts:
     MAX_ORDER = 3
 
     def __init__(self, src_tokens: Tensor, pad: int, id_map: Optional[Tensor] = None,
-                 substitutions: Optional[Tensor] = None, vocab_size: Optional[int] = None):
+                 substitutions: Optional[Tensor] = None, *, vocab_size: int):
         """src_tokens: (n, S) source ids (left or right padded); id_map: source id ->
         target id (None when the dictionaries are the same); substitutions: target id ->
         the id to draft instead (:class:`SubstitutionMemory`); vocab_size: the target
-        dictionary's size (hypothesis ids are below it)."""
+        dictionary's size (every hypothesis and mapped source id is below it)."""
         is_pad = src_tokens.eq(pad)
         # non-pad tokens first, order kept (stable sort of the pad flags)
         order = torch.sort(is_pad.to(torch.int8), dim=1, stable=True).indices
@@ -50,10 +50,6 @@ class SourceDrafts:
         self.ptr = torch.full_like(self.src_len, -1)  # source index aligned with the last token
         # n-gram keys: one integer per (order, source position) and per hypothesis suffix,
         # so that all orders match in one comparison
-        if vocab_size is None:
-            vocab_size = max(int(src_tokens.max()) + 1, 1) if src_tokens.numel() else 1
-            if id_map is not None:
-                vocab_size = max(vocab_size, int(id_map.max()) + 1)
         self._base = vocab_size + 1
         self._pow = self._base ** torch.arange(self.MAX_ORDER, device=dev)
         self._orders = torch.arange(1, self.MAX_ORDER + 1, device=dev)
