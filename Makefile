@@ -29,10 +29,10 @@ bench: bench-suite
 # Full suite (stock vs fastgen + ablations vs CTranslate2, scaling; < 30 min on 2 CPU cores):
 # writes BENCHMARKS.md and benchmarks/results/suite/ (results.json, PNG plots).
 bench-suite: $(STAMP)
-	$(PY) benchmarks/suite.py
+	$(PY) benchmarks/suite
 
 bench-quick: $(STAMP)
-	$(PY) benchmarks/suite.py --quick --out benchmarks/results/suite-quick
+	$(PY) benchmarks/suite --quick --out benchmarks/results/suite-quick
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,8 +1,8 @@
-"""One CTranslate2 run for benchmarks/suite.py, in its own process (peak RSS per system).
+"""One CTranslate2 run for the benchmark suite, in its own process (peak RSS per system).
 
-Kept apart from suite.py so that it imports only ctranslate2, not fairseq.
+Kept apart from benchmarks/suite/ so that it imports only ctranslate2, not fairseq.
 
-    python benchmarks/ct2_worker.py SPEC.json     # SPEC written by suite.run_ct2
+    python benchmarks/ct2_worker.py SPEC.json     # SPEC written by suite.runners.Ct2Runner.translate
 """
 import json
 import sys

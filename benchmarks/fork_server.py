@@ -1,7 +1,8 @@
 """Fork server for the benchmark suite: ``fairseq-generate`` runs without paying the imports.
 
-Importing torch + fairseq takes ~7 s of a 2-core machine; a suite of ~150 short runs would
-spend a third of its 30 minutes importing.  A server imports once (stock fairseq, or fairseq
+Importing torch + fairseq takes seconds (about 7 s on the project's 2-core machine, see
+benchmarks/results/NOTES.md, "Import time of torch + fairseq"); a suite of ~150 short runs
+would spend a large share of its time importing.  A server imports once (stock fairseq, or fairseq
 with the plugin loaded through ``--user-dir`` exactly as the CLI loads it, or stock with
 fairseq #4709 fixed), then forks one child per request that runs fairseq's own
 ``fairseq_cli.generate.cli_main`` with the request's argv, stdout and stderr redirected to
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# fairseq_fastgen.compare.PLUGIN_DIR, not imported from there: importing the package installs
+# the plugin, which the stock and fixed servers must not have
 PLUGIN_DIR = str(ROOT / "fairseq_fastgen")
 
 

@@ -5,7 +5,7 @@ stock fairseq and once with ``--user-dir fairseq_fastgen``, interleaving ``repea
 of each, and reports
 
 * ``identical``: the two outputs are byte-identical;
-* ``lossless``: as DEVELOPERS.md defines it: every S/T/H/D/A text and token sequence and
+* ``lossless``: as docs/lossless.md defines it: every S/T/H/D/A text and token sequence and
   the BLEU line identical, H/D scores within 1e-4 and P positional scores within 1e-4
   (2e-4 on the printed 4-decimal values); differing hypotheses are rescored with the stock
   model and reported as near-ties when the two scores agree within 1e-4;
@@ -34,7 +34,10 @@ SCORE_TOL = 1e-4
 PRINTED_TOL = 2e-4  # P lines print 4 decimals: 1e-4 agreement plus rounding of each side
 _LINE = re.compile(r"^([STHDPAIEW])-(\d+)\t(.*)$")
 _TIMING_KINDS = ("W",)  # fairseq-interactive's per-batch wall time: never compared
-_TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
+# fairseq-generate's summary line; the rates carry more digits than the 0.1 s time
+TRANSLATED = re.compile(r"Translated (?P<sentences>[\d,]+) sentences \((?P<tokens>[\d,]+) tokens\) "
+                        r"in (?P<seconds>[\d.]+)s(?: \((?P<sent_per_s>[\d.]+) sentences/s, "
+                        r"(?P<tok_per_s>[\d.]+) tokens/s\))?")
 
 
 @dataclass
@@ -52,11 +55,11 @@ class Run:
     def parse(cls, stdout: str, stderr: str, wall: float, returncode: int,
               peak_rss_mb: float = 0.0) -> "Run":
         """A finished fairseq-generate run, its "Translated ..." summary line read."""
-        m = _TRANSLATED.search(stderr)
+        m = TRANSLATED.search(stderr)
         return cls(stdout, stderr, wall,
-                   float(m.group(3)) if m else None,
-                   int(m.group(1).replace(",", "")) if m else None,
-                   int(m.group(2).replace(",", "")) if m else None,
+                   float(m["seconds"]) if m else None,
+                   int(m["sentences"].replace(",", "")) if m else None,
+                   int(m["tokens"].replace(",", "")) if m else None,
                    returncode, peak_rss_mb)
 
 
@@ -80,11 +83,19 @@ class Comparison:
 
 def generate_command(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] = (),
                      entry: str = "fairseq-generate", env: Optional[Dict[str, str]] = None,
-                     threads: Optional[int] = None) -> Tuple[List[str], Dict[str, str]]:
+                     threads: Optional[int] = None,
+                     program: Optional[Sequence[str]] = None) -> Tuple[List[str], Dict[str, str]]:
     """(command, environment) of one fairseq CLI process, stock or with the plugin; stock
-    runs get the torch>=2.6 loading workaround."""
-    exe = str(Path(sys.executable).parent / entry)
-    cmd = [exe, *args]
+    runs get the torch>=2.6 loading workaround.
+
+    program: what runs in place of the ``entry`` console script, e.g. ``[python, script]``
+    for a launcher that wraps the CLI; the command is ``[*program, *args, ...]``.  Such a
+    program defines its own stock, so stock runs of it are not routed around (stack B).
+    """
+    if program is None:
+        cmd = [str(Path(sys.executable).parent / entry), *args]
+    else:
+        cmd = [*program, *args]
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("PYTHONWARNINGS", "ignore")
@@ -95,7 +106,7 @@ def generate_command(args: Sequence[str], plugin: bool, plugin_args: Sequence[st
         e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     else:
         e["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-        if stock_needs_route_around():
+        if program is None and stock_needs_route_around():
             # official fairseq 0.12.2 crashes in its fused encoder path on current torch;
             # "stock" is then fairseq's own generator with only that path routed around.
             cmd += ["--user-dir", PLUGIN_DIR, "--fastgen-off"]
@@ -104,16 +115,18 @@ def generate_command(args: Sequence[str], plugin: bool, plugin_args: Sequence[st
 
 def run_generate(args: Sequence[str], plugin: bool, plugin_args: Sequence[str] = (),
                  entry: str = "fairseq-generate", stdin: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None, threads: Optional[int] = None) -> Run:
+                 env: Optional[Dict[str, str]] = None, threads: Optional[int] = None,
+                 program: Optional[Sequence[str]] = None) -> Run:
     """Run one fairseq CLI process (see :func:`generate_command`)."""
-    cmd, e = generate_command(args, plugin, plugin_args, entry, env, threads)
+    cmd, e = generate_command(args, plugin, plugin_args, entry, env, threads, program)
     t0 = time.perf_counter()
-    stdout, stderr, code, rss = _run_measured(cmd, e, stdin)
+    stdout, stderr, code, rss = run_measured(cmd, e, stdin)
     wall = time.perf_counter() - t0
     return Run.parse(stdout, stderr, wall, code, rss)
 
 
-def _run_measured(cmd, env, stdin):
+def run_measured(cmd: Sequence[str], env: Dict[str, str],
+                 stdin: Optional[str]) -> Tuple[str, str, int, float]:
     """Run cmd; return stdout, stderr, exit code and the child's peak RSS in MiB."""
     p = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL)

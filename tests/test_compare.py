@@ -1,5 +1,11 @@
-"""The stock-vs-plugin harness detects planted differences and accepts lossless ones."""
-from fairseq_fastgen.compare import compare_outputs
+"""The stock-vs-plugin harness detects planted differences and accepts lossless ones; its
+commands, environments and the parse of fairseq's summary line."""
+import os
+import sys
+from pathlib import Path
+
+from fairseq_fastgen import compare
+from fairseq_fastgen.compare import PLUGIN_DIR, Run, compare_outputs, generate_command, run_measured
 
 BASE = """S-0\tuno dos
 T-0\tone two
@@ -54,3 +60,47 @@ def test_missing_line():
 def test_source_text_difference():
     c = compare_outputs(BASE, BASE.replace("S-0\tuno dos", "S-0\tuno tres"))
     assert not c.lossless
+
+
+def test_generate_command_stock_and_plugin(monkeypatch):
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    monkeypatch.setattr(compare, "stock_needs_route_around", lambda: False)
+    exe = str(Path(sys.executable).parent / "fairseq-generate")
+    cmd, env = generate_command(["DATA", "--beam", "5"], False, threads=3)
+    assert cmd == [exe, "DATA", "--beam", "5"]
+    assert env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1" and env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    cmd, env = generate_command(["DATA"], True, ["--fastgen-no-kv-cache"], env={"PYTHONWARNINGS": "default"})
+    assert cmd == [exe, "DATA", "--user-dir", PLUGIN_DIR, "--fastgen-no-kv-cache"]
+    assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in env and env["PYTHONWARNINGS"] == "default"
+    assert "OMP_NUM_THREADS" not in env or env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS")
+
+
+def test_generate_command_program_is_not_routed_around(monkeypatch):
+    monkeypatch.setattr(compare, "stock_needs_route_around", lambda: True)  # stack B
+    cmd, _ = generate_command(["DATA"], False, entry="fairseq-interactive")
+    assert cmd[1:] == ["DATA", "--user-dir", PLUGIN_DIR, "--fastgen-off"]
+    assert cmd[0].endswith("fairseq-interactive")
+    cmd, env = generate_command(["DATA"], False, program=["python", "launch.py"])
+    assert cmd == ["python", "launch.py", "DATA"] and env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1"
+    cmd, _ = generate_command(["DATA"], True, ["--x"], program=["python", "launch.py"])
+    assert cmd == ["python", "launch.py", "DATA", "--user-dir", PLUGIN_DIR, "--x"]
+
+
+def test_translated_line():
+    err = ("INFO | fairseq_cli.generate | NOTE: hypothesis and token scores are output in base 2\n"
+           "INFO | fairseq_cli.generate | Translated 1,000 sentences (28,467 tokens) in 12.3s "
+           "(81.30 sentences/s, 2314.40 tokens/s)\n")
+    r = Run.parse("out", err, 20.0, 0, 512.0)
+    assert (r.sentences, r.tokens, r.gen_time, r.wall, r.returncode, r.peak_rss_mb) == (1000, 28467, 12.3, 20.0, 0, 512.0)
+    m = compare.TRANSLATED.search(err)
+    assert m["sent_per_s"] == "81.30" and m["tok_per_s"] == "2314.40"
+    m = compare.TRANSLATED.search("Translated 8 sentences (90 tokens) in 0.4s")
+    assert m["seconds"] == "0.4" and m["tok_per_s"] is None
+    r = Run.parse("", "no summary", 1.0, 1)
+    assert r.gen_time is None and r.sentences is None and r.tokens is None
+
+
+def test_run_measured():
+    code = "import sys; sys.stdout.write(sys.stdin.read().upper()); sys.stderr.write('e'); sys.exit(3)"
+    out, err, rc, rss = run_measured([sys.executable, "-c", code], dict(os.environ), "abc")
+    assert (out, err, rc) == ("ABC", "e", 3) and rss > 1
