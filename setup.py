@@ -16,6 +16,7 @@ setup(
         "fairseq_fastgen",
         "fairseq_fastgen.models",
         "fairseq_fastgen.search",
+        "fairseq_fastgen.search.aggressive",
         "fairseq_fastgen.tasks",
         "fairseq_fastgen.cuda",
     ],
@@ -38,14 +39,14 @@ setup(
     extras_require={
         "cuda": ["cupy-cuda12x"],
         "test": ["pytest", "hypothesis", "subword-nmt", "psutil"],
-        # benchmarks/suite.py: CTranslate2 comparison and plots
+        # benchmarks/suite: CTranslate2 comparison and plots
         "bench": ["ctranslate2==4.8.5", "matplotlib==3.11.2"],
     },
     entry_points={
         "console_scripts": [
             "fastgen-user-dir = fairseq_fastgen.__main__:print_user_dir",
             "fastgen-compare = fairseq_fastgen.compare:main",
-            "fastgen-generate = fairseq_fastgen.tasks.async_generate:cli_main",
+            "fastgen-generate = fairseq_fastgen.tasks.generate:cli_main",
         ]
     },
 )

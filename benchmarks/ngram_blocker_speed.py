@@ -82,7 +82,7 @@ def main():
 
     def decoder_step():
         with torch.no_grad():
-            logits, _ = dec.step(toks[:, : a.step + 1], need_attn=False)
+            logits = dec.step(toks[:, : a.step + 1], need_attn=False).lprobs
             model.get_normalized_probs((logits, None), log_probs=True)
             dec.step_idx -= 1  # time the same step again
             for c in dec.self_kv:

@@ -17,6 +17,8 @@ from typing import Callable, List
 
 import torch
 
+from . import run_config
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,7 +44,12 @@ def safe_globals() -> List:
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
-def guarded_loader(original: Callable, trust: Callable[[], bool]) -> Callable:
+def trusted_by_run() -> bool:
+    """``trust_checkpoint`` of the run in progress (CLI flag, Hydra node or configure())."""
+    return run_config.current().trust_checkpoint
+
+
+def guarded_loader(original: Callable, trust: Callable[[], bool] = trusted_by_run) -> Callable:
     """Wrap fairseq's ``load_checkpoint_to_cpu`` with the allow-list and clear errors.
 
     ``trust()`` is read at call time: when true (``--fastgen-trust-checkpoint``) this one
@@ -65,8 +72,8 @@ def guarded_loader(original: Callable, trust: Callable[[], bool]) -> Callable:
             raise CheckpointError(
                 f"{path} pickles an object of type {m.group(1)}, which is not on "
                 "fairseq-fastgen's safe-loading allow-list. If you trust this file, load it "
-                "with --fastgen-trust-checkpoint (Python: fairseq_fastgen.configure("
-                "trust_checkpoint=True))."
+                "with --fastgen-trust-checkpoint (Hydra: +fastgen.trust_checkpoint=true; "
+                "Python: fairseq_fastgen.configure(trust_checkpoint=True))."
             ) from e
         except CheckpointError:
             raise

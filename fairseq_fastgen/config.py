@@ -10,6 +10,10 @@ The same field names are reachable three ways:
 * Python: ``fairseq_fastgen.configure(bitwise=True)`` or
   ``FastSequenceGenerator(..., fastgen=FastGenConfig(bitwise=True))``.
 
+Which config a run uses (precedence, one resolution per entry point) is
+:mod:`fairseq_fastgen.run_config`; this module reads each surface and holds the process
+default that runs start from.
+
 Unknown keys and bad values raise :class:`FastGenConfigError` naming the key.
 """
 import dataclasses
@@ -227,12 +231,14 @@ def _coerce(f, value):
     return value
 
 
-# The config used by generators that fairseq builds for us (CLI flags and Hydra nodes
-# land here); Python callers may also pass a FastGenConfig to FastSequenceGenerator.
+# The process default: what configure() or the last parsed command line set.  Runs start
+# from it (run_config.resolve) and read their own config through run_config.current(),
+# so a Hydra node of one run never leaks into the next run of the same process.
 _active = FastGenConfig()
 
 
 def active() -> FastGenConfig:
+    """The process default (the config of a run in progress is ``run_config.current()``)."""
     return _active
 
 
@@ -281,12 +287,17 @@ def add_args(parser) -> None:
 
 def from_namespace(args) -> Optional[FastGenConfig]:
     """FastGenConfig from parsed ``--fastgen-*`` flags, or None if the parser had none."""
-    values = {
+    values = namespace_values(args)
+    return FastGenConfig.from_mapping(values) if values else None
+
+
+def namespace_values(args) -> Dict[str, Any]:
+    """The ``--fastgen-*`` values on a parsed Namespace, by option name."""
+    return {
         f.name: getattr(args, "fastgen_" + f.name)
         for f in fields(FastGenConfig)
         if hasattr(args, "fastgen_" + f.name)
     }
-    return FastGenConfig.from_mapping(values) if values else None
 
 
 def from_hydra(cfg) -> Optional[FastGenConfig]:
@@ -295,14 +306,27 @@ def from_hydra(cfg) -> Optional[FastGenConfig]:
     ``cfg`` may be any node of the config tree (fairseq hands generator builders only
     ``cfg.generation``); the root is found through OmegaConf's parent links.
     """
+    values = hydra_values(cfg)
+    return None if values is None else FastGenConfig.from_mapping(values, base=_active)
+
+
+def is_node(cfg) -> bool:
+    """Whether ``cfg`` is an OmegaConf node (of a fairseq config tree)."""
     try:
-        from omegaconf import DictConfig, OmegaConf
+        from omegaconf import DictConfig
     except ImportError:  # pragma: no cover - fairseq always brings omegaconf
+        return False
+    return isinstance(cfg, DictConfig)
+
+
+def hydra_values(cfg) -> Optional[Dict[str, Any]]:
+    """The root ``fastgen`` node of ``cfg``'s tree as a dict, or None without one."""
+    if not is_node(cfg):
         return None
-    if not isinstance(cfg, DictConfig):
-        return None
+    from omegaconf import OmegaConf
+
     root = cfg._get_root()
     node = root.get("fastgen", None) if "fastgen" in root else None
     if node is None:
         return None
-    return FastGenConfig.from_mapping(OmegaConf.to_container(node, resolve=True), base=_active)
+    return OmegaConf.to_container(node, resolve=True)

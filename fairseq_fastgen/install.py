@@ -12,20 +12,42 @@ replaced                                                   by
                                                            stock ``SequenceGenerator``
 ``fairseq.checkpoint_utils.load_checkpoint_to_cpu``        the same loader under torch's
                                                            ``weights_only`` with an
-                                                           allow-list and clear errors
+                                                           allow-list and clear errors;
+                                                           trusts the file when the run's
+                                                           config says so
 ``fairseq.options.add_checkpoint_args``                    also adds the ``--fastgen-*``
                                                            flags (train/generate/
                                                            interactive parsers)
 ``fairseq.options.parse_args_and_arch``                    also reads the ``--fastgen-*``
-                                                           flags into the active config
-``fairseq.data.data_utils.batch_by_size``                 the same batches; the final
-                                                           batch fairseq drops (#5036) is
-                                                           logged, or kept on request
+                                                           flags into the process default
+``fairseq.data.data_utils.batch_by_size``                 the same batches; in generation
+                                                           runs the final batch fairseq
+                                                           drops (#5036) is logged, or
+                                                           kept on request
                                                            (``last_batch.py``)
+``fairseq.distributed.utils.call_main``                    the same, with ``main`` run in
+                                                           the config resolved from
+                                                           ``cfg`` before any spawn
+                                                           (train, interactive -- as a
+                                                           generation run --, eval-lm,
+                                                           validate)
+``fairseq.checkpoint_utils.load_checkpoint``               the same training restore, in
+                                                           the config of ``cfg``'s tree
+                                                           (fairseq-hydra-train imports
+                                                           the plugin inside its main,
+                                                           after ``call_main``)
 ``fairseq_cli.generate.main`` (what ``cli_main`` calls)    the asynchronous pipeline
-                                                           (``tasks/async_generate.py``);
-                                                           byte-identical output
+                                                           (``tasks/generate.py``);
+                                                           byte-identical output; run as a
+                                                           generation run
+``fairseq.hub_utils.GeneratorHubInterface.generate``       the same, run as a generation
+                                                           run in the config of the hub's
+                                                           ``cfg``
 =========================================================  ===============================
+
+A run's config is resolved once where it enters (``run_config.resolve``) and read through
+``run_config.current()`` by everything below it: the checkpoint loader, the
+``batch_by_size`` guard and the generator builder.
 
 The ``build_generator`` wrapper also switches off fairseq 0.12.2's fused "BetterTransformer"
 encoder-layer path (``TransformerEncoderLayerBase.load_to_BT``) on the models it is given:
@@ -38,6 +60,7 @@ import functools
 import logging
 
 from . import config as fg_config
+from . import run_config
 
 logger = logging.getLogger("fairseq_fastgen")
 
@@ -61,22 +84,33 @@ def install() -> None:
     from .checkpoint import guarded_loader
 
     _patch(FairseqTask, "build_generator", _wrap_build_generator(FairseqTask.build_generator))
-    _patch(checkpoint_utils, "load_checkpoint_to_cpu", guarded_loader(
-        checkpoint_utils.load_checkpoint_to_cpu, lambda: fg_config.active().trust_checkpoint))
+    _patch(checkpoint_utils, "load_checkpoint_to_cpu",
+           guarded_loader(checkpoint_utils.load_checkpoint_to_cpu))
     _patch(options, "add_checkpoint_args", _wrap_add_args(options.add_checkpoint_args))
     _patch(options, "parse_args_and_arch", _wrap_parse(options.parse_args_and_arch))
     from fairseq.data import data_utils
 
     from .last_batch import guard_batch_by_size
 
-    _patch(data_utils, "batch_by_size", guard_batch_by_size(
-        data_utils.batch_by_size, lambda: fg_config.active().keep_last_batch))
+    _patch(data_utils, "batch_by_size", guard_batch_by_size(data_utils.batch_by_size))
+    _install_entry_points()
     from fairseq_cli import generate as generate_cli
 
-    from .tasks.async_generate import make_main
+    from .tasks.generate import make_main
 
     _patch(generate_cli, "main", make_main(generate_cli))
     logger.info(fg_config.active().describe())
+
+
+def _install_entry_points() -> None:
+    from fairseq import checkpoint_utils, hub_utils
+    from fairseq.distributed import utils as distributed_utils
+
+    _patch(distributed_utils, "call_main", _wrap_call_main(distributed_utils.call_main))
+    _patch(checkpoint_utils, "load_checkpoint",
+           _scoped_entry(checkpoint_utils.load_checkpoint, generation=False))
+    hub = hub_utils.GeneratorHubInterface
+    _patch(hub, "generate", _wrap_hub_generate(hub.generate))
 
 
 def uninstall() -> None:
@@ -90,7 +124,10 @@ def _wrap_build_generator(original):
     @functools.wraps(original)
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
-        cfg = fg_config.from_hydra(args) or fg_config.active()
+        # The task's own node too: fairseq-train's --eval-bleu hands a Namespace, and
+        # fairseq-hydra-train imports the plugin only inside its main, after call_main.
+        cfg = run_config.resolve(*(c for c in (getattr(self, "cfg", None), args)
+                                   if fg_config.is_node(c)))
         _disable_fused_encoder_layers(models)
         if not cfg.enabled or seq_gen_cls is not None or getattr(args, "score_reference", False):
             return original(self, models, args, seq_gen_cls=seq_gen_cls,
@@ -110,6 +147,46 @@ def _wrap_build_generator(original):
                         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
 
     return build_generator
+
+
+def _scoped_entry(original, generation: bool):
+    """``original(cfg, ...)`` run in the config resolved from ``cfg``."""
+    @functools.wraps(original)
+    def entry(cfg, *args, **kwargs):
+        return run_config.run_main(original, run_config.resolve(cfg), generation,
+                                   cfg, *args, **kwargs)
+
+    return entry
+
+
+# Known by name, not imported: importing fairseq_cli.interactive runs logging.basicConfig
+# (to stdout), which would take fairseq-generate's log lines out of --results-path.
+_GENERATION_MAINS = {("fairseq_cli.interactive", "main")}
+
+
+def _wrap_call_main(original):
+    @functools.wraps(original)
+    def call_main(cfg, main, **kwargs):
+        # Resolved here, in the process that parsed the command line: a process that
+        # torch.multiprocessing.spawn starts has only the fresh default.
+        generation = (getattr(main, "__module__", None),
+                      getattr(main, "__qualname__", None)) in _GENERATION_MAINS
+        scoped = functools.partial(run_config.run_main, main, run_config.resolve(cfg),
+                                   generation)
+        return original(cfg, scoped, **kwargs)
+
+    return call_main
+
+
+def _wrap_hub_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        cfg = getattr(self, "cfg", None)
+        fastgen = run_config.resolve(cfg if fg_config.is_node(cfg) else None)
+        with run_config.run(fastgen, generation=True):
+            return original(self, *args, **kwargs)
+
+    return generate
 
 
 def _disable_fused_encoder_layers(models) -> None:

@@ -16,6 +16,7 @@ warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 
 import fairseq_fastgen  # noqa: E402  (installs the plugin in this process)
+from fairseq_fastgen import run_config  # noqa: E402
 from fairseq_fastgen.config import FastGenConfig  # noqa: E402
 import factory  # noqa: E402
 
@@ -93,12 +94,8 @@ def generators(task, models, fastgen: FastGenConfig, **gen):
     args = Namespace(**gen)
     original = FairseqTask.build_generator.__wrapped__
     stock = original(task, models, args)
-    fastgen_cfg_before = fairseq_fastgen.config.active()
-    fairseq_fastgen.config.set_active(fastgen)
-    try:
+    with run_config.run(fastgen):
         fast = task.build_generator(models, args)
-    finally:
-        fairseq_fastgen.config.set_active(fastgen_cfg_before)
     return stock, fast
 
 

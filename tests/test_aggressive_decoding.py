@@ -5,7 +5,9 @@ runs in the same test.  Stock's CPU n-gram blocker bans nothing (fairseq #4709),
 --no-repeat-ngram-size stock gets the plugin's correct blocker, as in
 test_generator_equivalence.py.
 """
+import logging
 import math
+from argparse import Namespace
 
 import pytest
 import torch
@@ -14,8 +16,10 @@ from hypothesis import strategies as st
 
 from conftest import assert_same_hypos, bundled, generators, load
 from conftest import batches as _batches
+import fairseq_fastgen
 from fairseq_fastgen.config import FastGenConfig
-from fairseq_fastgen.search import aggressive_decoding as agg
+from fairseq_fastgen.search import aggressive as agg
+from fairseq_fastgen.search import fast_sequence_generator
 from fairseq_fastgen.search.ngram_blocker import TorchNGramBlocker
 
 ON = FastGenConfig(aggressive="on")
@@ -37,9 +41,25 @@ def batches(task, cfg, batch_size, subset=None, limit=None):
     return _batches(task, cfg, batch_size, subset=subset, limit=limit)
 
 
+def generators_with(task, models, fastgen, tunables, **gen):
+    """conftest.generators, the plugin's generator built with aggressive ``tunables``."""
+    stock, _ = generators(task, models, fastgen, **gen)
+    before = fairseq_fastgen.config.active()
+    fairseq_fastgen.config.set_active(fastgen)
+    try:
+        fast = task.build_generator(models, Namespace(**gen),
+                                    extra_gen_cls_kwargs={"aggressive_tunables": tunables})
+    finally:
+        fairseq_fastgen.config.set_active(before)
+    return stock, fast
+
+
 def compare(task, models, cfg, batch_size, gen, limit=None, prefix_size=0, fastgen=ON,
-            subset=None):
-    stock, fast = generators(task, models, fastgen, **gen)
+            subset=None, tunables=None):
+    if tunables is None:
+        stock, fast = generators(task, models, fastgen, **gen)
+    else:
+        stock, fast = generators_with(task, models, fastgen, tunables, **gen)
     if gen.get("no_repeat_ngram_size"):
         stock.repeat_ngram_blocker = TorchNGramBlocker(gen["no_repeat_ngram_size"])
     n = 0
@@ -55,22 +75,26 @@ def compare(task, models, cfg, batch_size, gen, limit=None, prefix_size=0, fastg
     return fast
 
 
-_loaded = {}
+@pytest.fixture(scope="module")
+def bundled_model():
+    """name -> (task, models, cfg) of a bundled model, each loaded once per module."""
+    loaded = {}
 
+    def get(name):
+        if name not in loaded:
+            b = bundled(name)
+            loaded[name] = load(b.data, [b.path], extra=["--source-lang", b.src, "--target-lang",
+                                                         b.tgt, "--gen-subset", "test1"])
+        return loaded[name]
 
-def bundled_model(name):
-    if name not in _loaded:
-        b = bundled(name)
-        _loaded[name] = load(b.data, [b.path], extra=["--source-lang", b.src, "--target-lang", b.tgt,
-                                                      "--gen-subset", "test1"])
-    return _loaded[name]
+    return get
 
 
 # ---- bundled models -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["kjv-web", "es-en"])
 @pytest.mark.parametrize("batch,limit", [(1, 6), (8, 3), (64, None)], ids=["b1", "b8", "b64"])
-def test_bundled_greedy_matches_stock(name, batch, limit):
+def test_bundled_greedy_matches_stock(bundled_model, name, batch, limit):
     task, models, cfg = bundled_model(name)
     fast = compare(task, models, cfg, batch, dict(beam=1, max_len_b=80), limit=limit)
     stats = fast.aggressive_stats
@@ -95,38 +119,40 @@ OPTION_IDS = ["minlen", "maxlen-trunc", "unkpen-neg", "unkpen", "ngram3", "ngram
 
 
 @pytest.mark.parametrize("gen", OPTIONS, ids=OPTION_IDS)
-def test_bundled_options_match_stock(gen):
+def test_bundled_options_match_stock(bundled_model, gen):
     task, models, cfg = bundled_model("kjv-web")
     compare(task, models, cfg, 8, gen, limit=2)
 
 
 @pytest.mark.parametrize("name", ["kjv-web", "es-en"])
-def test_bundled_prefix(name):
+def test_bundled_prefix(bundled_model, name):
     task, models, cfg = bundled_model(name)
     compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=2, prefix_size=1)
     compare(task, models, cfg, 8, dict(beam=1, max_len_b=80, no_repeat_ngram_size=2),
             limit=1, prefix_size=3)
 
 
-def test_es_en_options():
+def test_es_en_options(bundled_model):
     task, models, cfg = bundled_model("es-en")
     compare(task, models, cfg, 16, dict(beam=1, min_len=10, max_len_b=80, no_repeat_ngram_size=3),
             limit=2)
     compare(task, models, cfg, 16, dict(beam=1, match_source_len=True, unkpen=-4.0), limit=2)
 
 
-def test_near_tie_rule_keeps_output(monkeypatch):
+def test_near_tie_rule_keeps_output(bundled_model):
     """Every block-pass decision treated as a near tie: rows fall back to one-token steps
     and output is unchanged; with no margin at all, unchanged too."""
     task, models, cfg = bundled_model("kjv-web")
-    monkeypatch.setattr(agg, "NEAR_TIE", 1e9)
-    fast = compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=1)
+    fast = compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=1,
+                   tunables=agg.Tunables(near_tie=1e9))
     assert fast.aggressive_stats["near_ties"] > 0
-    monkeypatch.setattr(agg, "NEAR_TIE", 0.0)
-    compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=1)
+    compare(task, models, cfg, 8, dict(beam=1, max_len_b=80), limit=1,
+            tunables=agg.Tunables(near_tie=0.0))
 
 
-def test_auto_mode_and_fallbacks(caplog):
+def test_auto_mode_and_fallbacks(bundled_model, caplog):
+    caplog.set_level(logging.INFO)
+    fast_sequence_generator._logged.clear()  # fallbacks are logged once per process
     task, models, cfg = bundled_model("kjv-web")
     b = next(batches(task, cfg, 4))
     # auto: joint dictionary -> on
@@ -139,6 +165,7 @@ def test_auto_mode_and_fallbacks(caplog):
         stock, fast = generators(task, models, fg, max_len_b=50, **gen)
         assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=fg.bitwise)
         assert fast.aggressive_stats is None
+    assert "aggressive decoding off (bitwise mode" in caplog.text  # the fallback's log line
 
 
 def test_ensemble_falls_back(tiny):
@@ -152,7 +179,7 @@ def test_ensemble_falls_back(tiny):
 
 # ---- the block pass and its cache ---------------------------------------------------------
 
-def test_block_pass_matches_one_token_steps():
+def test_block_pass_matches_one_token_steps(bundled_model):
     """Blocks with rejected (garbage) drafts rolled back per row give the logits of
     one-token steps."""
     from fairseq_fastgen.models.fast_decoder import FastDecoder
@@ -172,7 +199,7 @@ def test_block_pass_matches_one_token_steps():
         bos = torch.full((n, 1), task.target_dictionary.eos())
         full = torch.cat([bos, seqs], dim=1)
         # one-token steps give log-probabilities; the block pass gives logits
-        want = [ref.step(full[:, : i + 1], False)[0] for i in range(T)]
+        want = [ref.step(full[:, : i + 1], False).lprobs for i in range(T)]
         vd = VerifyDecoder(m)
         vd.start(enc, n, 40, 8)
         t = torch.zeros(n, dtype=torch.long)
@@ -185,7 +212,7 @@ def test_block_pass_matches_one_token_steps():
             for r in range(n):
                 k = int(take[r])
                 block[r, :k] = full[r, int(t[r]): int(t[r]) + k]
-            logits = torch.log_softmax(vd.forward(block, t, None), -1).view(n, L, -1)
+            logits = torch.log_softmax(vd.forward(block, t, None).scores, -1).view(n, L, -1)
             for r in range(n):
                 for j in range(int(take[r])):
                     if int(t[r]) + j < T:
@@ -215,15 +242,9 @@ def _outcome(fn):
         return None, type(e)
 
 
-_tiny_models = {}
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tiny):
-    for which in ("postln", "preln", "bart"):
-        if which not in _tiny_models:
-            _tiny_models[which] = load(tiny.data, [getattr(tiny, which)])
-    return _tiny_models
+    return {which: load(tiny.data, [getattr(tiny, which)]) for which in ("postln", "preln", "bart")}
 
 
 @st.composite
@@ -362,7 +383,7 @@ def test_chooser_follows_the_faster_mode_per_batch_size():
     assert _feed(ch, 8, {A: 0.003, P: 0.001}, 2, 200) == [A, P]
 
 
-def test_chooser_end_to_end_lossless():
+def test_chooser_end_to_end_lossless(bundled_model):
     """The real chooser (first batch regular greedy, then both modes measured) on the
     copy-heavy model: output identical to stock's, and both modes were used."""
     task, models, cfg = bundled_model("kjv-web")

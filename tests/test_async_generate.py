@@ -1,4 +1,5 @@
-"""The asynchronous fairseq-generate pipeline (fairseq_fastgen/tasks/async_generate.py):
+"""The asynchronous fairseq-generate pipeline (fairseq_fastgen/tasks/generate.py and the
+modules it drives):
 byte-identical output against fairseq's own loop run in the same test (same generator,
 ``--fastgen-no-pipeline``) and against stock fairseq-generate (``--fastgen-bitwise``),
 and clean failure when a postprocessing worker raises or dies."""
@@ -14,7 +15,7 @@ import pytest
 import factory
 from conftest import bundled
 from fairseq_fastgen.compare import run_generate
-from fairseq_fastgen.tasks.async_generate import FAULT_ENV
+from fairseq_fastgen.tasks.generate import FAULT_ENV, planted_fault, planted_fault_from_env
 
 THREADS = 1
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +185,7 @@ def test_moses_subword_nmt_bitwise_equals_stock(bpe_data, variant, workers, tmp_
 
 
 ENTRY = ("import sys; sys.argv[0] = 'fastgen-generate'; "
-         "from fairseq_fastgen.tasks.async_generate import cli_main; cli_main()")
+         "from fairseq_fastgen.tasks.generate import cli_main; cli_main()")
 
 
 # ---- faults ------------------------------------------------------------------------
@@ -238,31 +239,43 @@ def test_config_and_install():
 
 def _tiny_state():
     from fairseq.data import Dictionary
-    from fairseq_fastgen.tasks.async_generate import _WorkerState
+    from fairseq_fastgen.tasks.text import WorkerState
 
     d = Dictionary.load(str(ROOT / "examples" / "bible" / "bundle" / "es-en" / "dict.en.txt"))
-    return d, _WorkerState(src_dict=d, tgt_dict=d, tokenizer=None, bpe=None,
-                           post_process="sentencepiece", quiet=False, print_alignment=None,
-                           print_step=False, retain_iter_history=False, strip={d.eos()})
+    return d, WorkerState(src_dict=d, tgt_dict=d, tokenizer=None, bpe=None,
+                          post_process="sentencepiece", quiet=False, print_alignment=None,
+                          print_step=False, retain_iter_history=False, strip={d.eos()})
 
 
 def _record(d, sid):
     import numpy as np
+    from fairseq_fastgen.tasks.records import BatchRecord
+
     toks = np.array([[10 + sid % 50, 20, 30, d.eos()]], dtype=np.int64)
-    return {"ids": [sid], "counts": [1], "src": toks, "tgt": toks, "tok_lens": [4],
-            "tok_odd": None, "score_strs": None, "pos_strs": None, "n_scores": 1,
-            "pos_lens": [4], "packed": np.concatenate([toks[0].astype(np.float64),
-                                                       [-0.5], [-1.0, -2.0, -3.0, -4.0]])}
+    return BatchRecord(ids=[sid], counts=[1], src=toks, tgt=toks, tok_lens=[4],
+                       tok_odd=None, score_strs=None, pos_strs=None, n_scores=1,
+                       pos_lens=[4], packed=np.concatenate([toks[0].astype(np.float64),
+                                                            [-0.5], [-1.0, -2.0, -3.0, -4.0]]))
+
+
+def _submit_all(pool, d, n: int, abort: bool = False):
+    """Batches 0..n-1 through ``pool``, all written; the pool closed in any case."""
+    try:
+        for sid in range(n):
+            pool.submit(_record(d, sid))
+        pool.finish()
+    finally:
+        pool.close(abort=abort)
 
 
 def test_pool_order_bound_and_fast_failure(monkeypatch):
     """In-process: batches come back in order with at most 2N+2 in flight; a dying worker
     is reported within seconds (no CLI start-up in the measurement)."""
-    from fairseq_fastgen.tasks.async_generate import PipelineWorkerError, _Pool
+    from fairseq_fastgen.tasks.pool import PipelineWorkerError, Pool
 
     d, state = _tiny_state()
     written, in_flight = [], []
-    pool = _Pool(state, 3, lambda result, side, stats: written.append(result[0]))
+    pool = Pool(state, 3, lambda result, side, stats: written.append(result[0]))
     try:
         for sid in range(60):
             pool.submit(_record(d, sid))
@@ -275,13 +288,75 @@ def test_pool_order_bound_and_fast_failure(monkeypatch):
     assert written[0].startswith("S-0\t") and "\nH-0\t-0.5\t" in written[0]
 
     monkeypatch.setenv(FAULT_ENV, "exit")
-    pool = _Pool(state, 2, lambda result, side, stats: None)
+    pool = Pool(state, 2, lambda result, side, stats: None, fault=planted_fault_from_env())
     t0 = time.perf_counter()
     with pytest.raises(PipelineWorkerError, match="died with exit code 3"):
-        try:
-            for sid in range(1000):
-                pool.submit(_record(d, sid))
-            pool.finish()
-        finally:
-            pool.close(abort=True)
+        _submit_all(pool, d, 1000, abort=True)
     assert time.perf_counter() - t0 < 5
+
+
+def test_worker_fault_is_injected_not_read_from_the_environment(monkeypatch):
+    """The worker loop plants only the fault it is handed; the env var is read once, by
+    the entry's test hook."""
+    from fairseq_fastgen.tasks.pool import PipelineWorkerError, Pool
+
+    assert planted_fault(None) is None and planted_fault("other") is None
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    assert planted_fault_from_env() is None
+
+    d, state = _tiny_state()
+    monkeypatch.setenv(FAULT_ENV, "exit")  # ignored: no fault handed to the pool
+    written = []
+    _submit_all(Pool(state, 2, lambda result, side, stats: written.append(result.text)), d, 10)
+    assert len(written) == 10
+
+    pool = Pool(state, 2, lambda result, side, stats: None, fault=planted_fault("raise"))
+    with pytest.raises(PipelineWorkerError, match=r"planted fault \(FAIRSEQ_FASTGEN_PIPELINE_FAULT=raise\)"):
+        _submit_all(pool, d, 100, abort=True)
+
+
+class _TokenScorer:
+    """A scorer without add_string: gets the raw token tensors, as fairseq's bleu does."""
+
+    def __init__(self):
+        self.calls = []
+
+    def add(self, ref, pred):
+        self.calls.append((ref.tolist(), pred.tolist(), ref.dtype, pred.dtype))
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["packed", "tok_odd"])
+def test_writer_raw_tokens_are_each_sentences_best_hypothesis(odd):
+    """Without --post-process the scorer gets (target, best hypothesis) int tensors; the
+    hypothesis offsets into the packed tokens are the prefix sums of their lengths."""
+    import io
+
+    import numpy as np
+    import torch
+    from fairseq_fastgen.tasks.records import BatchText, ScoringInputs
+    from fairseq_fastgen.tasks.writer import Writer
+
+    class _Pad:
+        def pad(self):
+            return 1
+
+    rng = np.random.default_rng(3)
+    counts = [2, 3, 1, 4]
+    lens = [int(n) for n in rng.integers(1, 7, size=sum(counts))]
+    hyps = [rng.integers(4, 50, size=n) for n in lens]
+    tgt = np.full((len(counts), 6), 1, dtype=np.int64)
+    for i in range(len(counts)):
+        tgt[i, : i + 2] = rng.integers(4, 50, size=i + 2)
+    if odd:
+        side = ScoringInputs(tgt, np.zeros(0), [0] * len(hyps),
+                             [h.astype(np.int32) for h in hyps], counts)
+    else:
+        side = ScoringInputs(tgt, np.concatenate(hyps).astype(np.float64), lens, None, counts)
+    items = [("t", "d", ["h"] * c) for c in counts]
+    scorer, out = _TokenScorer(), io.StringIO()
+    Writer(out, scorer, _Pad(), None).write(BatchText("X\n", items), side)
+    assert out.getvalue() == "X\n"
+    firsts = np.cumsum([0] + counts[:-1])
+    assert [c[0] for c in scorer.calls] == [tgt[i, : i + 2].tolist() for i in range(len(counts))]
+    assert [c[1] for c in scorer.calls] == [hyps[h].tolist() for h in firsts]
+    assert all(c[2] == torch.int32 and c[3] == torch.int32 for c in scorer.calls)

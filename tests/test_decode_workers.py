@@ -11,7 +11,7 @@ from conftest import bundled
 from fairseq_fastgen.compare import run_generate, side_by_side
 from fairseq_fastgen.config import FastGenConfig
 from fairseq_fastgen.tasks import decode_workers as dw
-from fairseq_fastgen.tasks.async_generate import FAULT_ENV
+from fairseq_fastgen.tasks.generate import FAULT_ENV
 
 SHARD = ["--gen-subset", "test1"]  # the first 100 of the 1000 test verses
 USED = "decoding worker(s) x 1 torch thread(s)"

@@ -24,7 +24,7 @@ def test_longest_order_wins_over_a_nearer_shorter_match():
     src = torch.tensor([[7, 9, 5, 6, 7, 11, 12, 2]])
     dr = SourceDrafts(src, PAD, vocab_size=V)
     tokens, t = hyp(5, 6, 7)
-    draft, length, start = dr.propose(tokens, t, torch.tensor([3]), 4)
+    draft, length, start, _ = dr.propose(tokens, t, torch.tensor([3]), 4)
     assert start.tolist() == [5]
     assert draft[0, :3].tolist() == [11, 12, 2] and length.tolist() == [3]
 
@@ -34,10 +34,10 @@ def test_several_matches_nearest_to_the_alignment():
     dr = SourceDrafts(src, PAD, vocab_size=V)
     tokens, t = hyp(5, 6)
     dr.ptr = torch.tensor([0])  # aligned near the first "5 6"
-    _, _, start = dr.propose(tokens, t, torch.tensor([2]), 4)
+    start = dr.propose(tokens, t, torch.tensor([2]), 4).start
     assert start.tolist() == [2]
     dr.ptr = torch.tensor([4])  # aligned near the second
-    draft, _, start = dr.propose(tokens, t, torch.tensor([2]), 4)
+    draft, _, start, _ = dr.propose(tokens, t, torch.tensor([2]), 4)
     assert start.tolist() == [6] and draft[0, :2].tolist() == [40, 41]
 
 
@@ -47,7 +47,7 @@ def test_no_match_continues_after_the_aligned_token_and_rows_are_independent():
     tokens = torch.tensor([[0, 44, PAD, PAD], [0, 9, 10, PAD]])
     t = torch.tensor([1, 2])
     dr.ptr = torch.tensor([1, -1])
-    draft, length, start = dr.propose(tokens, t, torch.tensor([8, 8]), 8)
+    draft, length, start, _ = dr.propose(tokens, t, torch.tensor([8, 8]), 8)
     # row 0: 44 is not in the source: it stands for the aligned source[1], the draft
     # resumes at 2; row 1: "9 10" matches: the draft is the rest of the (unpadded) source
     assert start.tolist() == [2, 2]
@@ -59,8 +59,20 @@ def test_short_sources_and_empty_rows():
     src = torch.tensor([[2], [PAD]])
     dr = SourceDrafts(src, PAD, vocab_size=V)
     tokens = torch.tensor([[0, 2, 2, 2], [0, 3, 3, 3]])
-    draft, length, _ = dr.propose(tokens, torch.tensor([3, 3]), torch.tensor([4, 4]), 4)
+    length = dr.propose(tokens, torch.tensor([3, 3]), torch.tensor([4, 4]), 4).length
     assert length.tolist() == [0, 0]
+
+
+def test_proposal_orig_is_the_source_before_substitution():
+    """Substituted drafts are verified; what the memory learns from is the source token."""
+    src = torch.tensor([[5, 6, 7, 8, 2]])
+    subs = torch.arange(V)
+    subs[7] = 9
+    dr = SourceDrafts(src, PAD, substitutions=subs, vocab_size=V)
+    tokens, t = hyp(5, 6)
+    prop = dr.propose(tokens, t, torch.tensor([3]), 4)
+    assert prop.draft[0, :3].tolist() == [9, 8, 2]
+    assert prop.orig[0, :3].tolist() == [7, 8, 2]
 
 
 def test_substitution_learned_after_two_sightings_and_not_when_kept_more():

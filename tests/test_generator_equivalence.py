@@ -75,15 +75,17 @@ def test_ensemble(tiny, mode):
     run_pair(task, models, cfg, mode, 8, dict(beam=5, max_len_b=30))
 
 
-@pytest.mark.parametrize("gen", [
-    dict(sampling=True, sampling_topk=10, beam=2, max_len_b=20),
-    dict(diverse_beam_groups=2, beam=4, max_len_b=20),
-    dict(diversity_rate=0.5, beam=4, max_len_b=20),
+@pytest.mark.parametrize("gen,search", [
+    (dict(sampling=True, sampling_topk=10, beam=2, max_len_b=20), "Sampling"),
+    (dict(diverse_beam_groups=2, beam=4, max_len_b=20), "DiverseBeamSearch"),
+    (dict(diversity_rate=0.5, beam=4, max_len_b=20), "DiverseSiblingsSearch"),
 ], ids=["sampling", "diverse-beam", "diverse-siblings"])
-def test_fallback_options_identical(tiny, gen, caplog):
+def test_fallback_options_identical(tiny, gen, search, caplog):
     """Options the fast loop does not serve run fairseq's loop: output identical."""
+    _forget_logged_fallbacks()
     task, models, cfg = load(tiny.data, [tiny.postln])
     run_pair(task, models, cfg, BITWISE, 8, gen, limit=2, local_ids=True)
+    assert f"stock generator loop (search strategy {search})" in caplog.text
 
 
 def test_print_alignment(tiny):

@@ -1,13 +1,16 @@
 """The vectorized n-gram blocker against a plain-Python reference of fairseq's CUDA
-kernel semantics, on random inputs (hypothesis)."""
+kernel semantics, on random inputs (hypothesis); the ragged ban (a step per row) against
+the uniform one and against the reference row by row."""
 import math
 import os
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from fairseq_fastgen.search.ngram_blocker import TorchNGramBlocker, ban_repeated_ngrams
+from fairseq_fastgen.search.ngram_blocker import (
+    TorchNGramBlocker, ban_repeated_ngrams, ban_repeated_ngrams_ragged)
 
 
 def reference(tokens, lprobs, step, n):
@@ -69,11 +72,81 @@ def test_blocks_what_stock_cpu_fallback_misses():
     assert (stock == 0).all()
 
 
+class _OpLog(TorchDispatchMode):
+    """Records every aten op dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(fn):
+    with _OpLog() as log:
+        out = fn()
+    return out, log.ops
+
+
 def test_no_host_sync_or_python_loop_needed_for_shape():
+    """In place, no device-to-host read (``_local_scalar_dense``, what ``.item()``,
+    ``.tolist()`` and ``bool()`` dispatch to), and the same ops whatever the number of
+    rows or the step (no Python loop over rows or positions)."""
     tokens = torch.randint(4, 9, (320, 102))
     lprobs = torch.randn(320, 6000)
-    out = ban_repeated_ngrams(tokens, lprobs, 100, 3)
+    out, ops = _ops(lambda: ban_repeated_ngrams(tokens, lprobs, 100, 3))
     assert out is lprobs and out.shape == (320, 6000)
+    assert "_local_scalar_dense" not in ops and "nonzero" not in ops
+    for rows, step in ((1, 100), (64, 100), (320, 30), (320, 80)):
+        t, lp = tokens[:rows], lprobs[:rows].clone()
+        _, other = _ops(lambda: ban_repeated_ngrams(t, lp, step, 3))
+        assert other == ops
+
+
+def test_ragged_ban_with_host_bound_has_no_host_sync():
+    tokens = torch.randint(4, 9, (40, 60))
+    steps = torch.randint(0, 50, (40,))
+    lprobs = torch.randn(40, 30)
+    _, ops = _ops(lambda: ban_repeated_ngrams_ragged(tokens, steps, lprobs, 3, max_step=49))
+    assert "_local_scalar_dense" not in ops and "nonzero" not in ops
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_ragged_ban_at_one_step_is_the_uniform_ban(case):
+    """Every row at the same step: the ragged ban and the uniform one give the same bits."""
+    n, vocab, rows, step, distinct, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(vocab, generator=g)[:distinct]
+    tokens = pool[torch.randint(0, distinct, (rows, step + 5), generator=g)]  # spare columns
+    lprobs = torch.randn(rows, vocab, generator=g).to(dtype)
+    steps = torch.full((rows,), step)
+    uniform = ban_repeated_ngrams(tokens, lprobs.clone(), step, n)
+    assert torch.equal(ban_repeated_ngrams_ragged(tokens, steps, lprobs.clone(), n), uniform)
+    assert torch.equal(ban_repeated_ngrams_ragged(tokens, steps, lprobs.clone(), n,
+                                                  max_step=step + 3), uniform)
+    assert torch.equal(TorchNGramBlocker(n).ban_ragged(tokens, steps, lprobs.clone()), uniform)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_ragged_ban_matches_a_per_row_loop(case):
+    """Rows at different steps: each row as the reference bans it at its own step."""
+    n, vocab, rows, step, distinct, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(vocab, generator=g)[:distinct]
+    width = step + 2
+    tokens = pool[torch.randint(0, distinct, (rows, width), generator=g)]
+    steps = torch.randint(0, step + 1, (rows,), generator=g)
+    lprobs = torch.randn(rows, vocab, generator=g).to(dtype)
+    expect = torch.cat([reference(tokens[r:r + 1], lprobs[r:r + 1], int(steps[r]), n)
+                        for r in range(rows)])
+    hi = int(steps.max())
+    for bound in (None, hi, step):  # read on the device, exact host bound, loose host bound
+        got = ban_repeated_ngrams_ragged(tokens, steps, lprobs.clone(), n, max_step=bound)
+        assert torch.equal(got, expect)
 
 
 def test_kernel_source_compiles_with_nvcc(tmp_path):

@@ -120,3 +120,15 @@ def test_one_log_line_on_import():
     lines = [l for l in p.stderr.splitlines() if "fairseq-fastgen: mode=" in l]
     assert len(lines) == 1, p.stderr
     assert "shared_encoder" in lines[0] and "kv_cache" in lines[0]
+
+
+def test_import_leaves_logging_alone():
+    """install() knows fairseq-interactive's main by name: importing fairseq_cli.interactive
+    would run its logging.basicConfig (to stdout) in every process that loads the plugin."""
+    code = ("import logging, sys; import fairseq, fairseq_cli.generate; "
+            "before = list(logging.getLogger().handlers); import fairseq_fastgen; "
+            "assert 'fairseq_cli.interactive' not in sys.modules; "
+            "assert logging.getLogger().handlers == before; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "ok"

@@ -2,9 +2,9 @@
 
 ``nn.Linear`` computes ``x @ W.T`` with ``W`` stored (out, in): BLAS reads the transposed
 operand, and at the few rows of a decoder step (a sentence's beam, a small batch, the
-tail of a batch whose sentences finished) MKL ran that 1.3-1.8x slower on this project's
-CPU than the same product with ``W.T`` stored contiguously (``addmm(b, x, Wt)``, timed at
-the bundled models' shapes).  Another GEMM kernel may round the last bit
+tail of a batch whose sentences finished) MKL can run that markedly slower than the same
+product with ``W.T`` stored contiguously (``addmm(b, x, Wt)``; see
+benchmarks/results/NOTES.md, "Transposed weight copies").  Another GEMM kernel may round the last bit
 differently, so this is a lossless-mode optimization; bitwise mode calls the modules.
 
 The copies cost one extra set of decoder weights in memory and are rebuilt whenever a

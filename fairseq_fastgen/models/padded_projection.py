@@ -1,8 +1,8 @@
 """Output projection with the vocabulary dimension padded for the BLAS.
 
-A vocabulary of, say, 6,003 words makes the (rows, C) x (C, V) output projection run at
-about half the speed of the same GEMM with V a multiple of 64 (MKL on AVX2, measured in
-benchmarks/results: 25.7 ms vs 13.6 ms for 320 x 256 x 6003, 1 thread).  This module
+A vocabulary of, say, 6,003 words can make the (rows, C) x (C, V) output projection run
+at about half the speed of the same GEMM with V a multiple of 64 (MKL on AVX2; see
+benchmarks/results/NOTES.md, "Padded output projection").  This module
 keeps a zero-padded copy of the weight, and a bias whose padding columns are -inf, and
 returns the (rows, Vp) product: the first V columns are the logits, computed by a
 differently blocked GEMM (equal in most shapes, within float rounding otherwise, so a

@@ -11,20 +11,21 @@ previous pass left beyond ``len[r]``).  Rolling back rejected draft positions is
 free: the caller just sets the row's length to the accepted prefix; stale entries are
 masked and later overwritten.  Finished rows leave the batch by one ``index_select``.
 
-The layer arithmetic is :class:`~fairseq_fastgen.models.fast_decoder.FastDecoder`'s
-(fairseq's layer norms, projections, FFN and ``MultiheadAttention`` weights, in fairseq's
-order); only the attention reads a block of queries per row instead of one.  Results
+The layer arithmetic is :class:`~fairseq_fastgen.models.layers.DecoderStack`'s, shared
+with :class:`~fairseq_fastgen.models.fast_decoder.FastDecoder` (fairseq's layer norms,
+projections, FFN and ``MultiheadAttention`` weights, in fairseq's order); only the
+self-attention reads a block of queries per row instead of one.  Results
 match stock fairseq's one-token steps to float rounding (other GEMM shapes), which the
 caller's near-tie rule accounts for.
 """
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .cached_attention import CrossAttentionCache
-from .fast_decoder import FastDecoder, _Layer
+from .layers import DecoderStack, LayerWeights
 
 
 class RaggedKVCache:
@@ -45,7 +46,26 @@ class RaggedKVCache:
         self.v = self.v.index_select(1, rows)
 
 
-class VerifyDecoder(FastDecoder):
+class Block(NamedTuple):
+    """Where the queries of one pass sit: n rows of L positions; pos: (n*L,) int64 each
+    query's position; rows: (n*L,) int64 its row; t_max: keys read per row; mask:
+    (n, 1, L, t_max) bool, True where a key is hidden (None: nothing hidden)."""
+    n: int
+    L: int
+    pos: Tensor
+    rows: Tensor
+    t_max: int
+    mask: Optional[Tensor]
+
+
+class BlockOutput(NamedTuple):
+    """scores: (m, V') logits, or log-probabilities when asked (V' >= the vocabulary,
+    columns past it -inf); logits_finite: the logits were proven finite."""
+    scores: Tensor
+    logits_finite: bool
+
+
+class VerifyDecoder:
     """Blocks of ``L`` tokens per row through one fairseq transformer decoder.
 
     Per batch: ``start(encoder_out, bsz, max_len, max_block)``; then
@@ -54,18 +74,24 @@ class VerifyDecoder(FastDecoder):
     """
 
     def __init__(self, model, vocab_pad: bool = True):
-        super().__init__(model, shared_encoder=True, kv_cache=True, bitwise=False,
-                         vocab_pad=vocab_pad)
-        self._ctx = None
+        # lossless mode only: a block pass has other GEMM shapes than stock's steps
+        self.stack = DecoderStack(model, bitwise=False, vocab_pad=vocab_pad)
+        self.model = model
+        self.vocab = self.stack.vocab
+        self._positions: Optional[Tensor] = None
+        self._n_pos = 0
+        self.self_kv: List[RaggedKVCache] = []
+        self.cross: List[Optional[CrossAttentionCache]] = []
 
     def start(self, encoder_out: Optional[dict], bsz: int, max_len: int, max_block: int) -> None:
-        # FastDecoder.start builds positions, cross-attention caches (beam 1, per sentence)
-        # and no KV caches: ragged ones are made here.
-        super().start(encoder_out, bsz, 1, max_len, self_kv=False)
-        cap = max_len + 1 + max_block  # block padding may run past max_len: never clamp
-        dev, dtype = self._device_dtype()
-        self.self_kv = [RaggedKVCache(bsz, l.dim, cap, dev, dtype) for l in self.layers]
+        """encoder_out: fairseq encoder output for ``bsz`` rows; max_block: the widest L."""
+        self.stack.prepare()
+        self._positions = self.stack.position_table(max_len + 1)
         self._n_pos = self._positions.size(1) if self._positions is not None else 0
+        cap = max_len + 1 + max_block  # block padding may run past max_len: never clamp
+        dev, dtype = self.stack.device_dtype()
+        self.self_kv = [RaggedKVCache(bsz, l.dim, cap, dev, dtype) for l in self.stack.layers]
+        self.cross = self.stack.cross_caches(encoder_out, 1, shared=True)
 
     def select(self, rows: Tensor) -> None:
         for c in self.self_kv:
@@ -76,27 +102,21 @@ class VerifyDecoder(FastDecoder):
 
     def forward(self, tokens: Tensor, start_pos: Tensor, out_rows: Optional[Tensor] = None,
                 bounds: Optional[Tuple[int, int]] = None, log_probs: bool = False,
-                temperature: float = 1.0) -> Tensor:
+                temperature: float = 1.0) -> BlockOutput:
         """tokens: (n, L) int64, row r's tokens at positions start_pos[r] + 0..L-1;
         bounds: (lo, hi) with lo <= start_pos <= hi, when the caller knows them (saves
         host reads; hi may be an upper bound).
 
-        Returns logits (m, V') of the flat positions ``out_rows`` (indices into n*L;
-        all when None), or with ``log_probs`` their log-probabilities as
-        :meth:`FastDecoder.step` computes them; V' >= ``self.vocab``, the columns past it
-        -inf."""
-        dec = self.decoder
+        Scores of the flat positions ``out_rows`` (indices into n*L; all when None):
+        logits, or with ``log_probs`` log-probabilities as :meth:`FastDecoder.step`
+        computes them."""
         n, L = tokens.shape
-        x = dec.embed_scale * dec.embed_tokens(tokens)
-        if dec.project_in_dim is not None:
-            x = dec.project_in_dim(x)
         offs = torch.arange(L, device=tokens.device)
         pos = start_pos.unsqueeze(1) + offs  # (n, L)
+        positions = None
         if self._positions is not None:
-            x = x + self._positions[0, pos.clamp(max=self._n_pos - 1)]
-        if dec.layernorm_embedding is not None:
-            x = dec.layernorm_embedding(x)
-        x = x.reshape(n * L, x.size(-1))
+            positions = self._positions[0, pos.clamp(max=self._n_pos - 1)]
+        x = self.stack.embed(tokens, positions)
         if bounds is None:
             bounds = (int(start_pos.min()), int(start_pos.max()))
         t_max = bounds[1] + L
@@ -106,24 +126,26 @@ class VerifyDecoder(FastDecoder):
             keys = torch.arange(t_max, device=tokens.device)
             mask = (keys.view(1, 1, t_max) > pos.unsqueeze(2)).unsqueeze(1)  # (n, 1, L, T)
         rows = torch.arange(n, device=tokens.device).repeat_interleave(L)
-        self._ctx = (n, L, pos.reshape(-1), rows, t_max, mask)
-        for cross in self.cross:
-            if cross is not None:
-                cross.beam = L  # the merged per-sentence GEMM takes the L queries of a row
-        for i, l in enumerate(self.layers):
-            x, _ = self._layer(l, i, x, False)
+        block = Block(n, L, pos.reshape(-1), rows, t_max, mask)
+
+        def self_attention(i: int, l: LayerWeights, x: Tensor) -> Tensor:
+            return self._self_attention(l, self.self_kv[i], x, block)
+
+        # the merged per-sentence cross-attention GEMM takes the L queries of a row
+        x, _ = self.stack.layers_forward(x, self_attention, self.cross, cross_beam=L)
         if out_rows is not None:
             x = x.index_select(0, out_rows)
-        x = self._final_features(x)
-        if log_probs:
-            return self._log_probs(x, temperature)
-        return self._project_out(x)
+        x = self.stack.final_features(x)
+        scores = self.stack.log_probs(x, temperature) if log_probs else self.stack.project_out(x)
+        return BlockOutput(scores, self.stack.logits_finite(x))
 
-    def _self_attention(self, l: _Layer, cache: RaggedKVCache, x: Tensor, rep: int = 1) -> Tensor:
-        n, L, pos, rows, t_max, mask = self._ctx
+    @staticmethod
+    def _self_attention(l: LayerWeights, cache: RaggedKVCache, x: Tensor, block: Block) -> Tensor:
+        """x: (n*L, C) the block's queries, row-major."""
+        n, L, t_max, mask = block.n, block.L, block.t_max, block.mask
         m, c = x.shape
-        q, k, v = self._project_qkv(l, x)
-        cache.write(pos, rows, k, v)
+        q, k, v = l.project_qkv(x)
+        cache.write(block.pos, block.rows, k, v)
         bh = n * l.heads
         keys = cache.k[:t_max].view(t_max, bh, l.head_dim).transpose(0, 1)
         values = cache.v[:t_max].view(t_max, bh, l.head_dim).transpose(0, 1)
@@ -135,7 +157,3 @@ class VerifyDecoder(FastDecoder):
         out = torch.bmm(p, values)  # (n*H, L, hd)
         out = out.view(n, l.heads, L, l.head_dim).transpose(1, 2).reshape(m, c)
         return l.sa_out(out)
-
-
-def cross_attention_supported(dec: VerifyDecoder) -> bool:
-    return all(c is None or isinstance(c, CrossAttentionCache) and c.merged for c in dec.cross)

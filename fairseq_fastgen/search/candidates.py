@@ -13,7 +13,7 @@ them has a maximum, hence every element, below the k-th best sum).  Only those
 ``CHUNK``) get their score added and go through the final top-k.  Each selected sum is
 computed exactly as stock computes it (``lprob + score`` in float32), so the values are
 stock's; only the order among exactly equal sums may differ from ``torch.topk``'s over the
-full row (a tie, which DEVELOPERS.md's lossless definition allows; bitwise mode keeps
+full row (a tie, which the lossless definition of docs/lossless.md allows; bitwise mode keeps
 fairseq's ``BeamSearch.step``).
 """
 from typing import Optional, Tuple

@@ -14,10 +14,23 @@ token and the draft continues after it.  At step 0 the draft is the start of the
 with a small fairseq model instead.  Drafts only decide speed, never output: every
 drafted token is verified.
 """
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+
+from ..models.verify import VerifyDecoder
+
+
+class Proposal(NamedTuple):
+    """Drafts of every row: draft (n, width) int64 tokens to verify; length (n,) int64
+    how many of them are drafts; start (n,) int64 where they start (source index, or the
+    hypothesis' length for a draft model); orig (n, width) int64 the tokens before
+    substitution (what :class:`SubstitutionMemory` learns from; -1: none)."""
+    draft: Tensor
+    length: Tensor
+    start: Tensor
+    orig: Tensor
 
 
 class SourceDrafts:
@@ -76,12 +89,10 @@ class SourceDrafts:
         self.ptr = self.ptr.index_select(0, rows)
         self._keys = self._keys.index_select(0, rows)
 
-    def propose(self, tokens: Tensor, t: Tensor, want: Tensor, width: int):
+    def propose(self, tokens: Tensor, t: Tensor, want: Tensor, width: int) -> Proposal:
         """tokens: (n, >=max(t)+1) hypotheses with BOS in column 0; t: (n,) tokens
-        generated so far; want: (n,) draft length wanted per row.
-
-        Returns (draft (n, width) int64, length (n,) int64, start (n,) source index of the
-        first draft token)."""
+        generated so far; want: (n,) draft length wanted per row.  The proposal's start
+        is the source index of the first draft token."""
         n = t.size(0)
         # the hypothesis' last 1..3 tokens (most recent first) and their keys
         last = tokens.gather(1, (t.unsqueeze(1) - self._orders + 1).clamp(min=0))
@@ -102,9 +113,7 @@ class SourceDrafts:
         if self._ar_width is None or self._ar_width.numel() != width:
             self._ar_width = torch.arange(width, device=t.device)
         idx = (start.unsqueeze(1) + self._ar_width).clamp(max=self.width)
-        draft = self.src.gather(1, idx)
-        self.last_orig = self.orig.gather(1, idx)
-        return draft, length, start
+        return Proposal(self.src.gather(1, idx), length, start, self.orig.gather(1, idx))
 
     def advance(self, start: Tensor, accepted: Tensor, drafted: Tensor, moved: Tensor) -> None:
         """Record the alignment after a verification: accepted draft tokens came from
@@ -197,21 +206,18 @@ class DraftModelDrafts:
     (generalized aggressive decoding / speculative decoding, greedy-exact).
 
     The draft model runs on its own :class:`~fairseq_fastgen.models.verify.VerifyDecoder`
-    with a ragged cache: each proposal first feeds the tokens of the hypothesis it has not
+    (held by the caller across batches) with a ragged cache: each proposal first feeds the tokens of the hypothesis it has not
     seen yet (one block: the verified model's bonus token, and the last draft token when
     the whole draft was accepted), then drafts greedily one token per pass.  After a
     verification, the draft cache keeps the accepted prefix (rollback = length).
     """
 
-    def __init__(self, draft_model, net_input, bsz: int, max_len: int, max_draft: int, eos: int,
-                 pad: int, min_len: int = 0):
-        from ..models.verify import VerifyDecoder
-
-        self.model = draft_model
-        if not hasattr(draft_model, "_fastgen_verify"):
-            draft_model._fastgen_verify = VerifyDecoder(draft_model)
-        self.vd = draft_model._fastgen_verify
-        enc = draft_model.encoder.forward_torchscript(net_input)
+    def __init__(self, vd: VerifyDecoder, net_input, bsz: int, max_len: int, max_draft: int,
+                 eos: int, pad: int, min_len: int = 0):
+        """vd: the draft model's VerifyDecoder; net_input: the batch's (the draft model
+        encodes the source itself)."""
+        self.vd = vd
+        enc = vd.model.encoder.forward_torchscript(net_input)
         self.vd.start(enc, bsz, max_len + max_draft + 1, 2 * max_draft + 2)
         self.eos, self.pad, self.min_len = eos, pad, min_len
         dev = net_input["src_tokens"].device
@@ -224,14 +230,16 @@ class DraftModelDrafts:
         self.seen = self.seen.index_select(0, rows)
         self.t_at = self.t_at.index_select(0, rows)
 
-    def propose(self, tokens: Tensor, t: Tensor, want: Tensor, width: int):
+    def propose(self, tokens: Tensor, t: Tensor, want: Tensor, width: int) -> Proposal:
+        """As :meth:`SourceDrafts.propose`; the start is t (the draft continues the
+        hypothesis) and the draft is its own orig (no substitutions)."""
         n = t.numel()
         k = int(want.max()) if n else 0
         dev = t.device
         draft = torch.full((n, width), -1, dtype=torch.long, device=dev)
         self.t_at, self.k = t.clone(), k
         if k == 0:
-            return draft, torch.zeros_like(t), t
+            return Proposal(draft, torch.zeros_like(t), t, draft)
         # catch up: tokens seen .. t (at least the last one)
         c = t - self.seen + 1
         L = int(c.max())
@@ -239,12 +247,12 @@ class DraftModelDrafts:
         block = tokens.gather(1, idx)
         last = c - 1
         flat = torch.arange(n, device=dev) * L + last
-        logits = self.vd.forward(block, self.seen, flat)
+        logits = self.vd.forward(block, self.seen, flat).scores
         nxt = self._pick(logits, t)
         draft[:, 0] = nxt
         pos = t + 1
         for i in range(1, k):
-            logits = self.vd.forward(nxt.unsqueeze(1), pos, None)
+            logits = self.vd.forward(nxt.unsqueeze(1), pos, None).scores
             nxt = self._pick(logits, pos)
             draft[:, i] = nxt
             pos = pos + 1
@@ -253,9 +261,7 @@ class DraftModelDrafts:
         is_eos = draft[:, :k].eq(self.eos)
         first = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1) + 1,
                             torch.full_like(t, k))
-        length = torch.minimum(want, first)
-        self.last_orig = draft
-        return draft, length, t
+        return Proposal(draft, torch.minimum(want, first), t, draft)
 
     def _pick(self, logits: Tensor, step: Tensor) -> Tensor:
         """Greedy draft token; pad never, eos not before --min-len (as the verifier)."""

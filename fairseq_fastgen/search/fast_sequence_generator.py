@@ -3,7 +3,11 @@
 Same constructor arguments and the same ``generate()`` result; beam search over fairseq
 transformer models runs on :class:`~fairseq_fastgen.models.fast_decoder.FastDecoder`
 (beam-shared encoder states, in-place KV cache, attention weights only when needed), and
-the step bookkeeping skips work nobody reads.  Anything the fast path does not cover
+the step bookkeeping skips work nobody reads; stock's per-step masks come from
+:mod:`~fairseq_fastgen.search.step_rules`.  Greedy search (beam 1) with
+``--fastgen-aggressive`` is served by the strategy the generator owns,
+:class:`~fairseq_fastgen.search.aggressive.AggressiveDecoding`, when it applies to the
+batch.  Anything the fast path does not cover
 (sampling, diverse/constrained search, LM fusion, non-transformer decoders, ...) runs
 fairseq's own loop, after one log line saying why.
 """
@@ -17,10 +21,14 @@ from torch import Tensor
 from fairseq import search
 from fairseq.sequence_generator import SequenceGenerator, SequenceGeneratorWithAlignment
 
-from ..config import FastGenConfig, active
-from ..models.fast_decoder import FastDecoder, unsupported_reason
+from ..config import FastGenConfig
+from ..run_config import current
+from ..models.fast_decoder import FastDecoder
+from ..models.support import unsupported_reason
+from .aggressive import AggressiveDecoding, Tunables, unsupported as aggressive_unsupported
 from .candidates import beam_search_step
 from .ngram_blocker import build_blocker
+from .step_rules import StepAt, StepRules
 
 logger = logging.getLogger(__name__)
 _logged = set()
@@ -35,20 +43,24 @@ def _log_once(msg: str) -> None:
 class FastSequenceGenerator(SequenceGenerator):
     """fairseq ``SequenceGenerator`` with the fastgen fast path.
 
-    Extra keyword arguments: ``fastgen`` (a :class:`FastGenConfig`, default: the active
-    one) and ``need_attn`` (keep per-hypothesis attention, default: only if the config
-    says so).
+    Extra keyword arguments: ``fastgen`` (a :class:`FastGenConfig`, default: the config of
+    the run in progress), ``need_attn`` (keep per-hypothesis attention, default: only if the config
+    says so) and ``aggressive_tunables`` (:class:`~fairseq_fastgen.search.aggressive.Tunables`
+    of aggressive decoding, default: the defaults).
     """
 
     def __init__(self, models, tgt_dict, *args, fastgen: Optional[FastGenConfig] = None,
-                 need_attn: bool = False, **kwargs):
+                 need_attn: bool = False, aggressive_tunables: Optional[Tunables] = None,
+                 **kwargs):
         no_repeat = kwargs.get("no_repeat_ngram_size", 0)
         super().__init__(models, tgt_dict, *args, **kwargs)
-        self.fastgen = fastgen if fastgen is not None else active()
+        self.fastgen = fastgen if fastgen is not None else current()
         self.need_attn = need_attn or self.fastgen.attention
         if no_repeat > 0 and self.fastgen.enabled:
             self.repeat_ngram_blocker = build_blocker(no_repeat, self.fastgen.ngram_blocker)
         self._fast_decoders: Optional[List[FastDecoder]] = None
+        self._aggressive_tunables = aggressive_tunables
+        self._aggressive: Optional[AggressiveDecoding] = None  # built at its first batch
         self._fallback_reason = self._static_fallback_reason()
 
     # ---- choosing the path --------------------------------------------------------
@@ -85,19 +97,33 @@ class FastSequenceGenerator(SequenceGenerator):
         # no_grad, not inference_mode: callers (fairseq_cli.generate) update the returned
         # score tensors in place, which inference tensors forbid.
         with torch.no_grad():
+            rules = StepRules.of(self)
             if self.beam_size == 1 and self.fastgen.aggressive != "off":
-                from .aggressive_decoding import try_aggressive
+                strategy = self._aggressive_for(sample, rules)
+                if strategy is not None:
+                    return strategy.generate(
+                        sample, prefix_tokens, bos_token, rules, encode=self.model.forward_encoder,
+                        regular=lambda: self._fast_generate(sample, prefix_tokens, bos_token, rules))
+            return self._fast_generate(sample, prefix_tokens, bos_token, rules)
 
-                out = try_aggressive(self, sample, prefix_tokens, bos_token)
-                if out is not None:
-                    return out
-            return self._fast_generate(sample, prefix_tokens, bos_token)
+    def _aggressive_for(self, sample, rules: StepRules) -> Optional[AggressiveDecoding]:
+        """The aggressive decoding strategy if it serves this batch, else None (after one
+        log line saying why)."""
+        reason = aggressive_unsupported(self.fastgen, self.model.models, self.need_attn, rules,
+                                        sample, self.tgt_dict)
+        if reason is not None:
+            if self.fastgen.log_fallbacks:
+                _log_once(f"fairseq-fastgen: aggressive decoding off ({reason}); regular greedy")
+            return None
+        if self._aggressive is None:
+            self._aggressive = AggressiveDecoding(self.model.models[0], self.tgt_dict, self.fastgen,
+                                                  self._aggressive_tunables)
+        return self._aggressive
 
     @property
     def aggressive_stats(self) -> Optional[dict]:
         """Cumulative acceptance statistics of aggressive decoding (None if unused)."""
-        dec = getattr(self, "_aggressive", None)
-        return dec.stats.as_dict() if dec is not None else None
+        return self._aggressive.stats.as_dict() if self._aggressive is not None else None
 
     def prepare(self) -> None:
         """Build the fast decoders and their weight copies now (the generate pipeline calls
@@ -118,24 +144,17 @@ class FastSequenceGenerator(SequenceGenerator):
 
     # ---- the fast loop ----------------------------------------------------------------
 
-    def _fast_generate(self, sample, prefix_tokens: Optional[Tensor], bos_token: Optional[int]):
+    def _fast_generate(self, sample, prefix_tokens: Optional[Tensor], bos_token: Optional[int],
+                       rules: StepRules):
         """Beam search; each statement mirrors fairseq's ``_generate`` so that choices,
         ties and finalization order are the same."""
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]
-        if "src_lengths" in net_input:
-            src_lengths = net_input["src_lengths"]
-        else:
-            src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
-        bsz, src_len = src_tokens.size()[:2]
+        src_lengths = rules.source_lengths(net_input)
+        bsz = src_tokens.size(0)
         beam_size = self.beam_size
         self.search.init_constraints(None, beam_size)
-
-        if self.match_source_len:
-            max_len = src_lengths.max().item()
-        else:
-            max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
-        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        max_len = rules.max_len(src_tokens, src_lengths)
 
         decoders = self._decoders()
         encoder_outs = self.model.forward_encoder(net_input)
@@ -181,26 +200,16 @@ class FastSequenceGenerator(SequenceGenerator):
                 for d in decoders:
                     d.reorder(reorder_state)
 
-            lprobs, avg_attn_scores = self._forward_decoders(decoders, tokens[:, : step + 1], need_attn)
+            lprobs, avg_attn_scores, finite = self._forward_decoders(
+                decoders, tokens[:, : step + 1], need_attn)
 
-            # fairseq maps NaN to -inf; skipped when every model's logits were proven finite
-            # (then log_softmax has no NaN; cheap bound check on CPU, see FastDecoder)
-            if not (all(d.logits_finite for d in decoders) and self.temperature >= 1.0):
-                lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
-            lprobs[:, self.pad] = -math.inf
-            lprobs[:, self.unk] -= self.unk_penalty
-            if step >= max_len:
-                lprobs[:, : self.eos] = -math.inf
-                lprobs[:, self.eos + 1:] = -math.inf
-
+            # stock's masks; its NaN scan skipped when every model's logits were proven
+            # finite (then log_softmax has no NaN; cheap bound check on CPU, see DecoderStack)
+            at = StepAt.uniform(step)
+            rules.mask_step(lprobs, at, max_len, finite, prefix_tokens, beam=beam_size)
             if prefix_tokens is not None and step < prefix_tokens.size(1) and step < max_len:
-                lprobs, tokens, scores = self._prefix_tokens(
+                lprobs, tokens, scores = self._replicate_eos_prefix(
                     step, lprobs, scores, tokens, prefix_tokens, beam_size)
-            else:
-                if step < self.min_len:
-                    lprobs[:, self.eos] = -math.inf
-                if self.token_indices_to_suppress is not None:
-                    lprobs[:, self.token_indices_to_suppress] = -math.inf
 
             if avg_attn_scores is not None:
                 if attn is None:
@@ -208,8 +217,7 @@ class FastSequenceGenerator(SequenceGenerator):
                 attn[:, :, step + 1].copy_(avg_attn_scores)
 
             scores = scores.type_as(lprobs)
-            if self.repeat_ngram_blocker is not None:
-                lprobs = self.repeat_ngram_blocker(tokens, lprobs, bsz, beam_size, step)
+            lprobs = rules.ban_repeats(lprobs, at, tokens, bsz, beam_size)
 
             cand_scores, cand_indices, cand_beams = select(
                 step,
@@ -287,25 +295,46 @@ class FastSequenceGenerator(SequenceGenerator):
             finalized[sent] = [finalized[sent][ssi] for ssi in order]
         return finalized
 
+    def _replicate_eos_prefix(self, step: int, lprobs: Tensor, scores: Tensor, tokens: Tensor,
+                              prefix_tokens: Tensor, beam_size: int):
+        """The rest of stock's ``_prefix_tokens`` once the masks are applied: a prefix that
+        includes eos makes every beam of its sentence the first one (tokens, scores and
+        lprobs).  lprobs: (n, V); scores: (n, max_len+1); tokens: (n, max_len+2)."""
+        prefix_toks = prefix_tokens[:, step].unsqueeze(-1).repeat(1, beam_size).view(-1)
+        eos_mask = prefix_toks.eq(self.eos)
+        if eos_mask.any():
+            # validate that the first beam matches the prefix
+            first_beam = tokens[eos_mask].view(-1, beam_size, tokens.size(-1))[:, 0, 1: step + 1]
+            eos_mask_batch_dim = eos_mask.view(-1, beam_size)[:, 0]
+            target_prefix = prefix_tokens[eos_mask_batch_dim][:, :step]
+            assert (first_beam == target_prefix).all()
+            tokens = self.replicate_first_beam(tokens, eos_mask_batch_dim, beam_size)
+            scores = self.replicate_first_beam(scores, eos_mask_batch_dim, beam_size)
+            lprobs = self.replicate_first_beam(lprobs, eos_mask_batch_dim, beam_size)
+        return lprobs, tokens, scores
+
     def _forward_decoders(self, decoders: List[FastDecoder], tokens: Tensor, need_attn: bool):
         """Ensemble step, combined exactly as fairseq's ``EnsembleModel.forward_decoder``.
 
-        tokens: (n, step+1) int64. Returns lprobs (n, V) float32 and attention (n, S) or None.
+        tokens: (n, step+1) int64. Returns lprobs (n, V) float32, attention (n, S) or None,
+        and whether every model's logits were proven finite.
         """
         log_probs = []
         avg_attn: Optional[Tensor] = None
+        finite = True
         for d in decoders:
-            probs, attn = d.step(tokens, need_attn, self.temperature)
+            probs, attn, d_finite = d.step(tokens, need_attn, self.temperature)
             probs = probs[:, : d.vocab]
+            finite = finite and d_finite
             if len(decoders) == 1:
-                return probs, attn
+                return probs, attn, finite
             log_probs.append(probs)
             if attn is not None:
                 avg_attn = attn if avg_attn is None else avg_attn.add_(attn)
         avg_probs = torch.logsumexp(torch.stack(log_probs, dim=0), dim=0) - math.log(len(decoders))
         if avg_attn is not None:
             avg_attn.div_(len(decoders))
-        return avg_probs, avg_attn
+        return avg_probs, avg_attn, finite
 
 
 class FastSequenceGeneratorWithAlignment(SequenceGeneratorWithAlignment, FastSequenceGenerator):

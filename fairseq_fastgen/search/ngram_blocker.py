@@ -11,6 +11,7 @@ with duplicate bans (a ban is a ``-inf`` minimum; a non-match contributes ``+inf
 """
 import logging
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -19,30 +20,61 @@ logger = logging.getLogger(__name__)
 
 
 def ban_repeated_ngrams(tokens: Tensor, lprobs: Tensor, step: int, n: int) -> Tensor:
-    """Set lprobs of tokens that would repeat an n-gram to -inf, in place.
+    """Set lprobs of tokens that would repeat an n-gram to -inf, in place: every row at
+    ``step`` (the uniform case of :func:`ban_repeated_ngrams_ragged`).
 
     tokens: (rows, >= step+1) int64, hypotheses so far (column 0 is BOS)
     lprobs: (rows, vocab) float, next-token log-probabilities
     """
-    starts = step - n + 2  # candidate n-gram start positions 0 .. starts-1
-    if starts <= 0:
-        return lprobs
-    tok = tokens[:, : step + 1]
-    banned = tok[:, n - 1 : n - 1 + starts]  # (rows, starts)
-    if n == 1:
-        match = torch.ones_like(banned, dtype=torch.bool)
+    return _ban(tokens, lprobs, n, step - n + 2, None)
+
+
+def ban_repeated_ngrams_ragged(tokens: Tensor, steps: Tensor, lprobs: Tensor, n: int,
+                               max_step: Optional[int] = None) -> Tensor:
+    """:func:`ban_repeated_ngrams` with its own step per row, in place.
+
+    tokens: (rows, W) hypotheses (column 0 is BOS; columns after a row's step ignored);
+    steps: (rows,) int64; lprobs: (rows, vocab); max_step: an upper bound of steps known
+    on the host (saves reading it; W > max_step needed)."""
+    starts = steps - n + 2
+    if max_step is not None:
+        width = max_step - n + 2
     else:
-        windows = tok.unfold(1, n - 1, 1)[:, :starts]  # (rows, starts, n-1)
-        last = tok[:, starts : starts + n - 1]  # the hypothesis' last n-1 tokens
+        width = int(starts.max()) if starts.numel() else 0
+    return _ban(tokens, lprobs, n, width, starts)
+
+
+def _ban(tokens: Tensor, lprobs: Tensor, n: int, width: int, starts: Optional[Tensor]) -> Tensor:
+    """width: candidate n-gram start positions 0 .. width-1 (host); starts: (rows,) how
+    many of them each row has (None: every row all ``width``, its last n-1 tokens at
+    columns width .. width+n-2)."""
+    if width <= 0:
+        return lprobs
+    banned = tokens[:, n - 1 : n - 1 + width]  # (rows, width)
+    valid = None
+    if starts is not None:
+        valid = torch.arange(width, device=tokens.device).unsqueeze(0) < starts.unsqueeze(1)
+    if n == 1:
+        match = torch.ones_like(banned, dtype=torch.bool) if valid is None else valid
+    else:
+        windows = tokens.unfold(1, n - 1, 1)[:, :width]  # (rows, width, n-1)
+        if starts is None:
+            last = tokens[:, width : width + n - 1]  # the hypothesis' last n-1 tokens
+        else:
+            last_idx = (starts.unsqueeze(1) + torch.arange(n - 1, device=tokens.device)).clamp(min=0)
+            last = tokens.gather(1, last_idx)
         match = (windows == last.unsqueeze(1)).all(dim=-1)
+        if valid is not None:
+            match &= valid
     src = torch.full(banned.shape, math.inf, dtype=lprobs.dtype, device=lprobs.device)
     src.masked_fill_(match, -math.inf)
     lprobs.scatter_reduce_(1, banned, src, reduce="amin")
     return lprobs
 
 
-class TorchNGramBlocker(nn.Module):
-    """Drop-in for fairseq's ``NGramRepeatBlock`` (same call signature)."""
+class NGramBlocker(nn.Module):
+    """The plugin's blockers: fairseq ``NGramRepeatBlock``'s call (every row at one step)
+    and :meth:`ban_ragged` (a step per row, for block verification)."""
 
     def __init__(self, no_repeat_ngram_size: int):
         super().__init__()
@@ -51,8 +83,19 @@ class TorchNGramBlocker(nn.Module):
     def forward(self, tokens: Tensor, lprobs: Tensor, bsz: int, beam_size: int, step: int):
         return ban_repeated_ngrams(tokens, lprobs, step, self.no_repeat_ngram_size)
 
+    def ban_ragged(self, tokens: Tensor, steps: Tensor, lprobs: Tensor,
+                   max_step: Optional[int] = None) -> Tensor:
+        """:func:`ban_repeated_ngrams_ragged` (the torch path on every device: the CUDA
+        kernel takes one step for all rows)."""
+        return ban_repeated_ngrams_ragged(tokens, steps, lprobs, self.no_repeat_ngram_size,
+                                          max_step=max_step)
 
-class AutoNGramBlocker(TorchNGramBlocker):
+
+class TorchNGramBlocker(NGramBlocker):
+    """Drop-in for fairseq's ``NGramRepeatBlock`` (same call signature), torch only."""
+
+
+class AutoNGramBlocker(NGramBlocker):
     """CuPy kernel for CUDA tensors when CuPy is usable, the torch path otherwise."""
 
     def forward(self, tokens: Tensor, lprobs: Tensor, bsz: int, beam_size: int, step: int):
@@ -64,7 +107,7 @@ class AutoNGramBlocker(TorchNGramBlocker):
         return ban_repeated_ngrams(tokens, lprobs, step, self.no_repeat_ngram_size)
 
 
-class CupyNGramBlocker(TorchNGramBlocker):
+class CupyNGramBlocker(NGramBlocker):
     """Always the CuPy kernel (CUDA tensors only); errors clearly elsewhere."""
 
     def forward(self, tokens: Tensor, lprobs: Tensor, bsz: int, beam_size: int, step: int):

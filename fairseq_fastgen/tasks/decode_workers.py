@@ -2,9 +2,9 @@
 
 On CPU, stock fairseq decodes one batch at a time with ``torch.get_num_threads()``
 intra-op threads.  A decoder step is a chain of small operations (GEMMs of a few hundred
-rows, softmaxes, gathers, Python bookkeeping) that do not split well over threads: on the
-2-core machine of this project the second thread adds ~1.6x at batch 64 and almost
-nothing at batch 1.  Decoding ``N`` batches at once in ``N`` forked processes of
+rows, softmaxes, gathers, Python bookkeeping) that do not split well over threads, least
+of all at small batches (see benchmarks/results/NOTES.md, "Second intra-op thread of a
+CPU decoder").  Decoding ``N`` batches at once in ``N`` forked processes of
 ``threads / N`` threads each uses the same cores without that loss (what CTranslate2
 calls ``inter_threads``).  Every batch is decoded whole by one worker with the same
 generator, so each hypothesis is computed exactly as in a single process (in lossless
@@ -32,6 +32,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from .records import BatchRecord, DecodeStats
 
 logger = logging.getLogger("fairseq_fastgen.generate")
 
@@ -86,8 +88,8 @@ def keep_freed_memory() -> bool:
 
     A decoder step allocates and frees the same few large tensors (logits, log-probs,
     caches: megabytes each); by default glibc returns such blocks to the system and the
-    next step pays a page fault per 4 KiB page to get them back (5-10% of a step at batch
-    64 here).  Blocks up to 32 MiB then come from the heap, which is not trimmed below
+    next step pays a page fault per 4 KiB page to get them back (see
+    benchmarks/results/NOTES.md, "Page faults of a decoding worker").  Blocks up to 32 MiB then come from the heap, which is not trimmed below
     1 GiB of free space.  Returns False (nothing changed) without glibc.
     """
     import ctypes
@@ -131,8 +133,8 @@ def split_sample(sample: Dict[str, Any], parts: int) -> List[Dict[str, Any]]:
 
 
 class DecodeJob:
-    """Decodes one batch: ``job(sample) -> (record, (tokens, seconds, sentences))``, in a
-    worker or in the main process.
+    """Decodes one batch: ``job(sample) -> (BatchRecord, DecodeStats)``, in a worker or in
+    the main process.
 
     Mirrors stock's per-batch code (prefix tokens, constraints, ``task.inference_step``
     timed as stock times it); ``pack(host_sample, hypos)`` makes the pipeline's record of
@@ -140,14 +142,15 @@ class DecodeJob:
     """
 
     def __init__(self, task, generator, models, prefix_size: int,
-                 pack: Callable[[Dict[str, Any], Any], Dict[str, Any]]):
+                 pack: Callable[[Dict[str, Any], Any], BatchRecord]):
         self.task = task
         self.generator = generator
         self.models = models
         self.prefix_size = prefix_size
         self.pack = pack
 
-    def __call__(self, sample: Dict[str, Any], host_sample: Optional[Dict[str, Any]] = None):
+    def __call__(self, sample: Dict[str, Any], host_sample: Optional[Dict[str, Any]] = None
+                 ) -> Tuple[BatchRecord, DecodeStats]:
         prefix_tokens = None
         if self.prefix_size > 0:
             prefix_tokens = sample["target"][:, : self.prefix_size]
@@ -158,4 +161,4 @@ class DecodeJob:
         seconds = time.perf_counter() - t0
         tokens = sum(len(h[0]["tokens"]) for h in hypos)
         sentences = sample["nsentences"] if "nsentences" in sample else sample["id"].numel()
-        return self.pack(host_sample or sample, hypos), (tokens, seconds, sentences)
+        return self.pack(host_sample or sample, hypos), DecodeStats(tokens, seconds, sentences)

@@ -1,0 +1,211 @@
+"""The generate pipeline's worker processes and the in-order hand-over of their results.
+
+At most ``2 * workers + 2`` batches are in flight (memory stays flat on any input size).
+A worker that raises or dies stops the run with an error naming it (no hang); on an
+error or Ctrl-C the caller ends the workers at once (``close(abort=True)``).
+"""
+import os
+import pickle
+import queue
+import signal
+import traceback
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from . import decode_workers
+from .records import WorkerResult
+from .text import WorkerState, process_batch
+
+WORKER_NICE = 10  # niceness increment of workers when decoding uses every core
+
+# Called in a worker before each batch; a test hook (see generate.planted_fault).
+Fault = Optional[Callable[[], None]]
+
+
+def default_workers(use_cuda: bool = False) -> int:
+    """Postprocessing workers when ``--fastgen-pipeline-workers`` is 0 (auto).
+
+    The cores that decoding does not use (on CPU: ``torch.get_num_threads()`` of them;
+    on a GPU: one for the driving thread), at least 1 and at most 4: one worker keeps up
+    with decoding in all but the lightest setups, and on a 2-core machine a single worker
+    is what does not take cores away from the decoder.
+    """
+    busy = 1 if use_cuda else torch.get_num_threads()
+    return max(1, min(4, cores() - busy))
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+class PipelineWorkerError(RuntimeError):
+    """A postprocessing worker raised or died."""
+
+
+def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nice: int,
+                 job=None, threads: int = 1, fault: Fault = None):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us
+    torch.set_num_threads(threads)
+    if job is not None:
+        decode_workers.keep_freed_memory()
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:  # pragma: no cover
+            pass
+    while True:
+        try:
+            item = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # orphaned: the main process is gone
+                return
+            continue
+        if item is None:
+            return
+        idx, payload = item
+        try:
+            if fault is not None:
+                fault()
+            if job is None:  # postprocessing only: the record was decoded in the main process
+                result = WorkerResult(process_batch(st, pickle.loads(payload)), None, None)
+            else:  # decode the batch here, then postprocess it
+                rec, stats = job(pickle.loads(payload))
+                result = WorkerResult(process_batch(st, rec), rec.scoring_inputs(), stats)
+            results.put((idx, True, result))
+        except BaseException:
+            results.put((idx, False, f"worker {wid} (pid {os.getpid()}):\n{traceback.format_exc()}"))
+            return
+
+
+class Pool:
+    """Worker processes and the in-order hand-over of their results.
+
+    Without ``job`` the workers postprocess records decoded in the main process
+    (:meth:`submit`); with one (:class:`~fairseq_fastgen.tasks.decode_workers.DecodeJob`)
+    each worker decodes the samples it is given (:meth:`submit_sample`) with ``threads``
+    torch threads and postprocesses them.  ``on_result(text, scoring, stats)`` sees
+    results strictly in submission order.  ``fault`` (tests only) runs in a worker
+    before each batch.
+    """
+
+    def __init__(self, state: WorkerState, n_workers: int, on_result, use_cuda=False,
+                 max_in_flight=None, job=None, threads: int = 1, fault: Fault = None):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        self.max_in_flight = max_in_flight or 2 * n_workers + 2
+        self.tasks = ctx.Queue(maxsize=self.max_in_flight)
+        self.results = ctx.Queue()
+        self.on_result = on_result
+        self.submitted = 0
+        self.written = 0
+        self.pending: Dict[int, WorkerResult] = {}
+        self.side: Dict[int, Any] = {}
+        self.procs = []
+        # When decoding already occupies every core (CPU decoding with as many torch threads
+        # as cores), workers run at a lower priority: they fill the gaps instead of
+        # preempting one of the decoder's OpenMP threads (which stalls all of them).
+        nice = WORKER_NICE if (job is None and torch.get_num_threads() >= cores()
+                               and not use_cuda) else 0
+        kind = "postprocess" if job is None else "decode"
+        for wid in range(n_workers):
+            p = ctx.Process(target=_worker_loop, name=f"fastgen-{kind}-{wid}",
+                            args=(state, self.tasks, self.results, os.getpid(), wid, nice,
+                                  job, threads, fault),
+                            daemon=True)
+            p.start()
+            self.procs.append(p)
+
+    def submit(self, rec) -> None:
+        """A batch decoded here (a :class:`BatchRecord`): a worker writes its text."""
+        self._put(rec, side=rec.scoring_inputs())  # what only the writer needs stays here
+
+    def submit_sample(self, sample: Dict[str, Any]) -> None:
+        """A batch for a decoding worker (host tensors)."""
+        self._put(sample, side=None)
+
+    def _put(self, payload, side) -> None:
+        while self.submitted - self.written >= self.max_in_flight:
+            self._collect(block=True)
+        idx = self.submitted
+        if side is not None:
+            self.side[idx] = side
+        self.tasks.put((idx, pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)))
+        self.submitted += 1
+        self._collect(block=False)
+        self._check_alive()
+
+    def finish(self) -> None:
+        while self.written < self.submitted:
+            self._collect(block=True)
+
+    def _collect(self, block: bool) -> None:
+        while True:
+            try:
+                if block:
+                    item = self.results.get(timeout=0.2)
+                else:
+                    item = self.results.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return
+                self._check_alive()
+                continue
+            idx, ok, result = item
+            if not ok:
+                raise _failed(idx, result)
+            self.pending[idx] = result
+            progressed = False
+            while self.written in self.pending:
+                idx = self.written
+                done = self.pending.pop(idx)
+                self.on_result(done.text, self.side.pop(idx, done.scoring), done.stats)
+                self.written += 1
+                progressed = True
+            if block and progressed:
+                return
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if p.exitcode is not None:
+                while True:  # a worker that raised has sent its traceback before exiting
+                    try:
+                        idx, ok, result = self.results.get(timeout=0.5)
+                    except queue.Empty:
+                        break
+                    if not ok:
+                        raise _failed(idx, result)
+                    self.pending[idx] = result
+                raise PipelineWorkerError(
+                    f"fairseq-fastgen generate pipeline: postprocessing worker {p.name} "
+                    f"(pid {p.pid}) died with exit code {p.exitcode}; stopping "
+                    f"({self.submitted - self.written} batch(es) not written)")
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers: after their queued batches, or at once (``abort``)."""
+        if not abort:
+            for p in self.procs:
+                if p.is_alive():
+                    try:
+                        self.tasks.put_nowait(None)
+                    except (queue.Full, ValueError, OSError):
+                        pass
+            for p in self.procs:
+                p.join(timeout=5.0)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2.0)
+        for q in (self.tasks, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+def _failed(idx: int, trace: str) -> PipelineWorkerError:
+    return PipelineWorkerError(
+        "fairseq-fastgen generate pipeline: a postprocessing worker failed on "
+        f"batch {idx}; stopping.\n{trace}")
