@@ -38,15 +38,22 @@ def cases(draw):
     return n, vocab, rows, step, distinct, dtype, seed
 
 
+def _draw_tensors(case, spare: int):
+    """tokens: (rows, step + 2 + spare) drawn from a few distinct words (repeats, and so
+    bans, are common); lprobs: (rows, vocab) in the case's dtype."""
+    _, vocab, rows, step, distinct, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(vocab, generator=g)[:distinct]
+    tokens = pool[torch.randint(0, distinct, (rows, step + 2 + spare), generator=g)]
+    return tokens, torch.randn(rows, vocab, generator=g).to(dtype)
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_matches_reference(case):
-    n, vocab, rows, step, distinct, dtype, seed = case
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randperm(vocab, generator=g)[:distinct]
-    tokens = pool[torch.randint(0, distinct, (rows, step + 2), generator=g)]
+    n, _, _, step, _, _, _ = case
+    tokens, lprobs = _draw_tensors(case, spare=0)
     tokens[:, step + 1:] = 1  # trailing padding, as in the generator's buffer
-    lprobs = torch.randn(rows, vocab, generator=g).to(dtype)
     expect = reference(tokens, lprobs, step, n)
     got = ban_repeated_ngrams(tokens, lprobs.clone(), step, n)
     assert torch.equal(got, expect)
@@ -117,11 +124,8 @@ def test_ragged_ban_with_host_bound_has_no_host_sync():
 @given(cases())
 def test_ragged_ban_at_one_step_is_the_uniform_ban(case):
     """Every row at the same step: the ragged ban and the uniform one give the same bits."""
-    n, vocab, rows, step, distinct, dtype, seed = case
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randperm(vocab, generator=g)[:distinct]
-    tokens = pool[torch.randint(0, distinct, (rows, step + 5), generator=g)]  # spare columns
-    lprobs = torch.randn(rows, vocab, generator=g).to(dtype)
+    n, _, rows, step, _, _, _ = case
+    tokens, lprobs = _draw_tensors(case, spare=3)  # spare columns past the step
     steps = torch.full((rows,), step)
     uniform = ban_repeated_ngrams(tokens, lprobs.clone(), step, n)
     assert torch.equal(ban_repeated_ngrams_ragged(tokens, steps, lprobs.clone(), n), uniform)
