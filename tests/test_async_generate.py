@@ -5,6 +5,7 @@ byte-identical output against fairseq's own loop run in the same test (same gene
 and clean failure when a postprocessing worker raises or dies."""
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -203,6 +204,9 @@ def test_worker_failure_stops_the_run(bpe_data, fault, message):
     wall = time.perf_counter() - t0
     assert r.returncode != 0
     assert "PipelineWorkerError" in r.stderr and message in r.stderr, r.stderr[-3000:]
+    named = {"raise": r"a postprocessing worker failed on batch \d+",
+             "exit": r"postprocessing worker fastgen-post-[01] \(pid \d+\) died"}[fault]
+    assert re.search(named, r.stderr), r.stderr[-3000:]
     assert wall < 60, wall  # process start-up included; no hang
     assert "Generate test with beam=" not in r.stdout
 
@@ -290,9 +294,10 @@ def test_pool_order_bound_and_fast_failure(monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "exit")
     pool = Pool(state, 2, lambda result, side, stats: None, fault=planted_fault_from_env())
     t0 = time.perf_counter()
-    with pytest.raises(PipelineWorkerError, match="died with exit code 3"):
+    with pytest.raises(PipelineWorkerError, match="died with exit code 3") as e:
         _submit_all(pool, d, 1000, abort=True)
     assert time.perf_counter() - t0 < 5
+    assert re.search(r"postprocessing worker fastgen-post-[01] \(pid \d+\) died", str(e.value))
 
 
 def test_worker_fault_is_injected_not_read_from_the_environment(monkeypatch):

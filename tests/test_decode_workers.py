@@ -1,6 +1,7 @@
 """Batches decoded side by side in worker processes (fairseq_fastgen/tasks/decode_workers.py):
 lossless against stock fairseq-generate run in the same test, the main process decoding
 wherever a worker could change the output, and clean failure of a worker."""
+import re
 import time
 from argparse import Namespace
 
@@ -86,4 +87,8 @@ def test_decode_worker_failure_is_a_clear_error():
                      env={FAULT_ENV: "exit"}, threads=2)
     assert r.returncode != 0
     assert "died with exit code 3" in r.stderr
+    # named as what it was (issue 18: it read "postprocessing worker")
+    assert re.search(r"PipelineWorkerError: fairseq-fastgen generate pipeline: decoding "
+                     r"worker fastgen-dec-\d \(pid \d+\) died with exit code 3", r.stderr)
+    assert "postprocessing worker" not in r.stderr
     assert time.perf_counter() - t0 < 60

@@ -16,6 +16,9 @@ are decoded here or in decoding workers.  How one batch flows:
 4. the main process, while the next batches decode, writes the results strictly in batch
    order and feeds the scorer in that order as stock does (writer.py).
 
+SIGTERM and SIGINT stop a pipelined run cleanly: workers ended, whole lines written, exit
+status 143 / 130; a worker ends with the main process however it ends (lifecycle.py).
+
 Setup and closing lines are stock's (stock_main.py); the progress meters are meters.py,
 the loops that feed the pool feed.py.  Option combinations the pipeline does not serve
 (``--replace-unk``, no ``fork`` start method) and ``--fastgen-no-pipeline`` /
@@ -31,7 +34,7 @@ from typing import Optional
 import torch
 
 from .. import run_config
-from . import decode_workers, feed, stock_main
+from . import decode_workers, feed, lifecycle, stock_main
 from .meters import Meters
 from .pool import Fault, Pool, default_workers
 from .text import WorkerState, pack_batch
@@ -175,32 +178,54 @@ def run_pipeline(cfg, output_file, fastgen, fault: Fault = None):
     if n_decoders:
         n_decoders, why_not = decode_workers.fit_to_batches(n_decoders, len(run.epoch_itr))
     state = _worker_state(cfg, run)
-    writer = Writer(output_file, run.scorer, run.tgt_dict, cfg.common_eval.post_process)
     meters = Meters(StopwatchMeter())
     job = decode_workers.DecodeJob(
         run.task, run.generator, run.models, cfg.generation.prefix_size,
         pack=functools.partial(pack_batch, nbest=cfg.generation.nbest,
                                quiet=cfg.common_eval.quiet, state=state))
+    # From the first worker on, SIGTERM and SIGINT stop the run cleanly (lifecycle.py).
+    with lifecycle.StopOnSignals() as stop:
+        writer = Writer(output_file, run.scorer, run.tgt_dict, cfg.common_eval.post_process,
+                        critical=stop.deferred)
+        pool = None
+        try:
+            pool = _make_pool(state, job, writer, meters, fastgen, n_decoders, why_not,
+                              threads, use_cuda, fault)
+            torch.set_num_threads(threads)
+            num_sentences, has_target = _run_batches(cfg, run.epoch_itr, pool, job, meters,
+                                                     n_decoders, use_cuda)
+        except BaseException as e:  # error, worker failure, a signal: end the workers now
+            if pool is not None:
+                pool.close(abort=True)
+            if isinstance(e, lifecycle.StopSignal):
+                _log_stop(e, pool, output_file)
+            raise
+        pool.close()
+        stock_main.log_summary(cfg, num_sentences, meters.gen_timer, has_target, run.scorer,
+                               output_file)
+    return run.scorer
+
+
+def _make_pool(state, job, writer, meters, fastgen, n_decoders: int, why_not, threads: int,
+               use_cuda: bool, fault: Fault) -> Pool:
     # Workers are forked before the data iterator starts its threads/processes.
     if n_decoders:
-        pool = _decoding_pool(state, job, writer, meters, n_decoders, threads, fault)
-    else:
-        if why_not is not None and fastgen.decode_workers != 1 and fastgen.log_fallbacks:
-            logger.info("generate pipeline: batches decoded in the main process (%s)", why_not)
-        n_workers = fastgen.pipeline_workers or default_workers(use_cuda)
-        pool = Pool(state, n_workers, writer.write, use_cuda=use_cuda, fault=fault)
-        logger.info("generate pipeline: %d postprocessing worker(s)", n_workers)
-    torch.set_num_threads(threads)
-    try:
-        num_sentences, has_target = _run_batches(cfg, run.epoch_itr, pool, job, meters,
-                                                 n_decoders, use_cuda)
-    except BaseException:  # error, worker failure or Ctrl-C: end the workers now
-        pool.close(abort=True)
-        raise
-    pool.close()
-    stock_main.log_summary(cfg, num_sentences, meters.gen_timer, has_target, run.scorer,
-                           output_file)
-    return run.scorer
+        return _decoding_pool(state, job, writer, meters, n_decoders, threads, fault)
+    if why_not is not None and fastgen.decode_workers != 1 and fastgen.log_fallbacks:
+        logger.info("generate pipeline: batches decoded in the main process (%s)", why_not)
+    n_workers = fastgen.pipeline_workers or default_workers(use_cuda)
+    pool = Pool(state, n_workers, writer.write, use_cuda=use_cuda, fault=fault)
+    logger.info("generate pipeline: %d postprocessing worker(s)", n_workers)
+    return pool
+
+
+def _log_stop(stop: lifecycle.StopSignal, pool: Optional[Pool], output_file) -> None:
+    """The one line a stopped run ends with; what it wrote is flushed, in whole lines."""
+    output_file.flush()
+    written, sent = (pool.written, pool.submitted) if pool is not None else (0, 0)
+    logger.warning("generate pipeline: stopped by %s; workers ended; %d of the %d batch(es) "
+                   "sent were written, every line complete; exit status %d",
+                   stop.signal_name, written, sent, stop.code)
 
 
 def _worker_state(cfg, run: stock_main.Loaded) -> WorkerState:

@@ -2,8 +2,10 @@
 
 At most ``2 * workers + 2`` batches are in flight (memory stays flat on any input size).
 A worker that raises or dies stops the run with an error naming it (no hang); on an
-error or Ctrl-C the caller ends the workers at once (``close(abort=True)``).
+error, SIGTERM or Ctrl-C the caller ends the workers at once (``close(abort=True)``), and
+a worker whose parent is gone ends by itself (lifecycle.py).
 """
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -13,7 +15,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import decode_workers
+from . import decode_workers, lifecycle
 from .records import WorkerResult
 from .text import WorkerState, process_batch
 
@@ -21,6 +23,7 @@ WORKER_NICE = 10  # niceness increment of workers when decoding uses every core
 
 # Called in a worker before each batch; a test hook (see generate.planted_fault).
 Fault = Optional[Callable[[], None]]
+_IDLE = object()  # the worker's wait for a task timed out
 
 
 def default_workers(use_cuda: bool = False) -> int:
@@ -43,12 +46,16 @@ def cores() -> int:
 
 
 class PipelineWorkerError(RuntimeError):
-    """A postprocessing worker raised or died."""
+    """A decoding or postprocessing worker raised or died."""
 
 
 def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nice: int,
                  job=None, threads: int = 1, fault: Fault = None):
+    # First of all: die with the main process, however it ends (see lifecycle).
+    lifecycle.die_with_parent(parent_pid)
+    lifecycle.set_process_name(mp.current_process().name)  # what ps and errors call us
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the run's handler, inherited by fork
     torch.set_num_threads(threads)
     if job is not None:
         decode_workers.keep_freed_memory()
@@ -61,8 +68,13 @@ def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nic
         try:
             item = tasks.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:  # orphaned: the main process is gone
-                return
+            item = _IDLE
+        # Checked between batches too, not only when idle: an orphan must not decode the
+        # batches still queued, nor wait at exit to hand results to no one.
+        if lifecycle.orphaned(parent_pid):
+            results.cancel_join_thread()
+            return
+        if item is _IDLE:
             continue
         if item is None:
             return
@@ -77,7 +89,8 @@ def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nic
                 result = WorkerResult(process_batch(st, rec), rec.scoring_inputs(), stats)
             results.put((idx, True, result))
         except BaseException:
-            results.put((idx, False, f"worker {wid} (pid {os.getpid()}):\n{traceback.format_exc()}"))
+            where = f"{mp.current_process().name} (pid {os.getpid()})"
+            results.put((idx, False, f"{where}:\n{traceback.format_exc()}"))
             return
 
 
@@ -94,8 +107,6 @@ class Pool:
 
     def __init__(self, state: WorkerState, n_workers: int, on_result, use_cuda=False,
                  max_in_flight=None, job=None, threads: int = 1, fault: Fault = None):
-        import multiprocessing as mp
-
         ctx = mp.get_context("fork")
         self.max_in_flight = max_in_flight or 2 * n_workers + 2
         self.tasks = ctx.Queue(maxsize=self.max_in_flight)
@@ -111,7 +122,8 @@ class Pool:
         # preempting one of the decoder's OpenMP threads (which stalls all of them).
         nice = WORKER_NICE if (job is None and torch.get_num_threads() >= cores()
                                and not use_cuda) else 0
-        kind = "postprocess" if job is None else "decode"
+        kind = "post" if job is None else "dec"  # names of 15 bytes at most (lifecycle)
+        self.kind = "postprocessing worker" if job is None else "decoding worker"
         for wid in range(n_workers):
             p = ctx.Process(target=_worker_loop, name=f"fastgen-{kind}-{wid}",
                             args=(state, self.tasks, self.results, os.getpid(), wid, nice,
@@ -157,7 +169,7 @@ class Pool:
                 continue
             idx, ok, result = item
             if not ok:
-                raise _failed(idx, result)
+                raise self._failed(idx, result)
             self.pending[idx] = result
             progressed = False
             while self.written in self.pending:
@@ -178,12 +190,17 @@ class Pool:
                     except queue.Empty:
                         break
                     if not ok:
-                        raise _failed(idx, result)
+                        raise self._failed(idx, result)
                     self.pending[idx] = result
                 raise PipelineWorkerError(
-                    f"fairseq-fastgen generate pipeline: postprocessing worker {p.name} "
-                    f"(pid {p.pid}) died with exit code {p.exitcode}; stopping "
+                    f"fairseq-fastgen generate pipeline: {self.kind} {p.name} "
+                    f"(pid {p.pid}) {_death(p.exitcode)}; stopping "
                     f"({self.submitted - self.written} batch(es) not written)")
+
+    def _failed(self, idx: int, trace: str) -> PipelineWorkerError:
+        return PipelineWorkerError(
+            f"fairseq-fastgen generate pipeline: a {self.kind} failed on batch {idx}; "
+            f"stopping.\n{trace}")
 
     def close(self, abort: bool = False) -> None:
         """Stop the workers: after their queued batches, or at once (``abort``)."""
@@ -196,16 +213,25 @@ class Pool:
                         pass
             for p in self.procs:
                 p.join(timeout=5.0)
-        for p in self.procs:
+        for p in self.procs:  # SIGTERM to all, then wait: ~2 s at most, not 2 s per worker
             if p.is_alive():
                 p.terminate()
-                p.join(timeout=2.0)
+        for p in self.procs:
+            p.join(timeout=2.0)
+            if p.is_alive():  # pragma: no cover - a worker stuck in the kernel
+                p.kill()
+                p.join(timeout=1.0)
         for q in (self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
 
 
-def _failed(idx: int, trace: str) -> PipelineWorkerError:
-    return PipelineWorkerError(
-        "fairseq-fastgen generate pipeline: a postprocessing worker failed on "
-        f"batch {idx}; stopping.\n{trace}")
+def _death(exitcode: int) -> str:
+    """How a worker ended, from ``Process.exitcode`` (negative: the signal that killed it)."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"died with exit code {exitcode}"

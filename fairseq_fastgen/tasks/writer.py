@@ -3,9 +3,14 @@
 Runs in the main process, so the scorer sees the same calls in the same order as in
 stock's loop, and ``tgt_dict.encode_line(..., add_if_not_exist=True)`` grows the
 dictionary as in stock (the BLEU line is identical).
+
+A batch's lines are written and flushed as one block (``critical``: the run's signal
+deferral, lifecycle.py), so that output cut by a signal, a killed worker or a killed
+main process ends on a complete line.
 """
+import contextlib
 from itertools import accumulate
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -16,8 +21,10 @@ from .records import BatchText, DecodeStats, ScoringInputs
 class Writer:
     """Writes batch texts in order and feeds the scorer exactly as stock's loop does."""
 
-    def __init__(self, output_file, scorer, tgt_dict, post_process):
+    def __init__(self, output_file, scorer, tgt_dict, post_process,
+                 critical: Callable[[], ContextManager] = contextlib.nullcontext):
         self.output_file = output_file
+        self.critical = critical
         self.scorer = scorer
         self.tgt_dict = tgt_dict
         self.post_process = post_process
@@ -42,7 +49,9 @@ class Writer:
               stats: Optional[DecodeStats] = None) -> None:
         text, score_items = result
         if text:
-            self.output_file.write(text)
+            with self.critical():
+                self.output_file.write(text)
+                self.output_file.flush()
         tgt, packed, tok_lens, tok_odd, counts = side
         encode = self._encode
         post_process = self.post_process
