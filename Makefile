@@ -54,3 +54,14 @@ test-b: $(STAMP_B)
 
 demo-b: $(STAMP_B)
 	$(VENV_B)/bin/python examples/demo.py
+
+# Device kit (issue 19; benchmarks/device_check.sh): the wheels a lent GPU machine lacks
+# (fairseq-fixed built for its Python 3.12 without torch's C++ extensions, hydra-core,
+# omegaconf, antlr4, bitarray, cffi, pycparser, sacremoses, this project), into an ignored
+# folder that a run carries; fails when that folder plus the working tree exceed 64 MiB.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+DEVICE_WHEELS ?= .device-wheels
+
+.PHONY: device-wheels
+device-wheels: $(STAMP)
+	$(PY) benchmarks/device/build_wheels.py --python $(PYTHON312) --out $(DEVICE_WHEELS)

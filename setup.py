@@ -37,7 +37,11 @@ setup(
         "tqdm",
     ],
     extras_require={
+        # the CuPy n-gram kernel: pick the build matching the CUDA driver (nvidia-smi's
+        # "CUDA Version"); "cuda" stays the CUDA 12 one it always named
         "cuda": ["cupy-cuda12x"],
+        "cuda12": ["cupy-cuda12x"],
+        "cuda13": ["cupy-cuda13x"],
         "test": ["pytest", "hypothesis", "subword-nmt", "psutil"],
         # benchmarks/suite: CTranslate2 comparison and plots
         "bench": ["ctranslate2==4.8.5", "matplotlib==3.11.2"],
