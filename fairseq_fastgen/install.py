@@ -42,7 +42,21 @@ replaced                                                   by
                                                            generation run
 ``fairseq.hub_utils.GeneratorHubInterface.generate``       the same, run as a generation
                                                            run in the config of the hub's
-                                                           ``cfg``
+                                                           ``cfg``; the inputs
+                                                           ``skip_invalid_size_inputs``
+                                                           dropped named in one log line
+``fairseq.tasks.FairseqTask.filter_indices_by_size``       the same indices; in generation
+                                                           runs (generate, interactive,
+                                                           hub) every input skipped as too
+                                                           long is named in the log and
+                                                           counted for the run's summary
+                                                           line (``drops.py``)
+``fairseq_cli.interactive.buffered_read``                  the same buffers of lines; a
+                                                           line that is not UTF-8 stops the
+                                                           run with its number, byte and
+                                                           column (``input_check.py``);
+                                                           patched when fairseq-interactive's
+                                                           main first enters ``call_main``
 =========================================================  ===============================
 
 A run's config is resolved once where it enters (``run_config.resolve``) and read through
@@ -58,9 +72,10 @@ defined"); the regular path computes the same layer.  fairseq-fixed has no such 
 """
 import functools
 import logging
+import sys
 
 from . import config as fg_config
-from . import run_config
+from . import drops, input_check, run_config
 
 logger = logging.getLogger("fairseq_fastgen")
 
@@ -93,12 +108,14 @@ def install() -> None:
     from .last_batch import guard_batch_by_size
 
     _patch(data_utils, "batch_by_size", guard_batch_by_size(data_utils.batch_by_size))
+    _patch(FairseqTask, "filter_indices_by_size",
+           drops.guard_filter(FairseqTask.filter_indices_by_size))
     _install_entry_points()
     from fairseq_cli import generate as generate_cli
 
     from .tasks.generate import make_main
 
-    _patch(generate_cli, "main", make_main(generate_cli))
+    _patch(generate_cli, "main", _counting_drops(make_main(generate_cli)))
     logger.info(fg_config.active().describe())
 
 
@@ -171,6 +188,11 @@ def _wrap_call_main(original):
         # torch.multiprocessing.spawn starts has only the fresh default.
         generation = (getattr(main, "__module__", None),
                       getattr(main, "__qualname__", None)) in _GENERATION_MAINS
+        if generation:  # fairseq-interactive: its module is imported by now
+            module = sys.modules.get(main.__module__)
+            if hasattr(module, "buffered_read"):
+                _patch(module, "buffered_read", input_check.buffered_read)
+            main = functools.partial(drops.run_counted, main, True)
         scoped = functools.partial(run_config.run_main, main, run_config.resolve(cfg),
                                    generation)
         return original(cfg, scoped, **kwargs)
@@ -183,10 +205,23 @@ def _wrap_hub_generate(original):
     def generate(self, *args, **kwargs):
         cfg = getattr(self, "cfg", None)
         fastgen = run_config.resolve(cfg if fg_config.is_node(cfg) else None)
-        with run_config.run(fastgen, generation=True):
+        # the caller gets fewer outputs than inputs: one line names the ones dropped
+        with run_config.run(fastgen, generation=True), drops.counting(detail=False):
             return original(self, *args, **kwargs)
 
     return generate
+
+
+def _counting_drops(main):
+    """fairseq-generate's main, counting skipped inputs: the last log line names them.
+    (The CLI's log goes to stderr, configured before main; never into --results-path.)"""
+    def counting_main(cfg):
+        with drops.counting():
+            return main(cfg)
+
+    counting_main.__wrapped__ = main.__wrapped__  # stock's, as make_main states it
+    counting_main.__doc__ = main.__doc__
+    return counting_main
 
 
 def _disable_fused_encoder_layers(models) -> None:

@@ -80,3 +80,97 @@ def test_unknown_class_names_it_and_trust_flag_loads(tiny):
     finally:
         fairseq_fastgen.config.set_active(before)
     assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
+# ---- what the messages say (issue 18) ---------------------------------------------------
+
+class RunsACommand:
+    """What a malicious checkpoint pickles: unpickling it would call os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class CallsEval:
+    def __reduce__(self):
+        return (eval, ("1 + 1",))
+
+
+def test_malicious_pickle_names_the_global_and_the_way_out(tiny, tmp_path):
+    state = torch.load(tiny.postln, weights_only=False)
+    marker = tmp_path / "pwned"
+    state["extra_state"] = {"payload": RunsACommand(marker)}
+    path = tmp_path / "malicious.pt"
+    torch.save(state, path)  # pickling only records the call; nothing runs here
+    with pytest.raises(CheckpointError) as e:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    msg = str(e.value)
+    assert not marker.exists()  # refused before anything was called
+    assert str(path) in msg
+    assert f"would load {os.system.__module__}.system" in msg  # posix.system on Linux
+    assert "may be malicious" in msg
+    assert "--fastgen-trust-checkpoint" in msg and "+fastgen.trust_checkpoint=true" in msg
+    assert "Weights only load failed" not in msg  # torch's preamble, which names nothing
+
+
+def test_unlisted_function_is_named_with_its_module(tiny, tmp_path):
+    state = torch.load(tiny.postln, weights_only=False)
+    state["extra_state"] = {"payload": CallsEval()}
+    path = tmp_path / "eval.pt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"pickles builtins\.eval, a class or function "
+                                              r"that is not on .*--fastgen-trust-checkpoint"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+def _complete(msg):
+    """A message that ends a sentence: not cut mid-way as torch's first 200 chars were."""
+    return msg.rstrip().endswith((".", ")")) and "checkpoint file is)" not in msg
+
+
+@pytest.mark.parametrize("cut", [100, 0.5, -10, -1000])
+def test_truncated_zip_checkpoint_says_so_with_path_and_size(tiny, tmp_path, cut):
+    data = tiny.postln.read_bytes()
+    n = int(len(data) * cut) if isinstance(cut, float) else (cut if cut > 0 else len(data) + cut)
+    path = tmp_path / "cut.pt"
+    path.write_bytes(data[:n])
+    with pytest.raises(CheckpointError) as e:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path} is truncated (it ends before its zip archive's end record): "
+                          f"{n:,} bytes on disk. Copy or download it again"), msg
+    assert _complete(msg), msg
+
+
+def test_truncated_legacy_checkpoint_and_empty_file(tiny, tmp_path):
+    state = torch.load(tiny.postln, weights_only=False)
+    legacy = tmp_path / "legacy.pt"
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    data = legacy.read_bytes()
+    for n in (20, len(data) // 2, len(data) - 10):
+        path = tmp_path / f"legacy_{n}.pt"
+        path.write_bytes(data[:n])
+        with pytest.raises(CheckpointError) as e:
+            checkpoint_utils.load_checkpoint_to_cpu(str(path))
+        msg = str(e.value)
+        assert msg.startswith(f"{path} is truncated or corrupt (its data ends early): "
+                              f"{n:,} bytes on disk."), msg
+        assert _complete(msg), msg
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"empty\.pt is empty \(0 bytes\)"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(empty))
+
+
+def test_random_bytes_are_not_called_truncated(tmp_path):
+    path = tmp_path / "noise.pt"
+    path.write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    msg = str(e.value)
+    assert msg.startswith(f"{path} is not a fairseq checkpoint"), msg
+    assert "truncated" not in msg and "Check the documentation" not in msg
+    assert _complete(msg), msg
