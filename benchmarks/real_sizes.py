@@ -390,6 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     res = dict(machine=machine_info(a.threads if a.device == "cpu" else 0, a.device), tiny=a.tiny,
                command=" ".join(["python", "benchmarks/real_sizes.py", *(argv if argv is not None else sys.argv[1:])]),
                repeats=a.repeats, gemm={}, cells=[])
+    stem = a.out / f"real_sizes_{a.device}{'_tiny' if a.tiny else ''}"
     for prec in a.precisions:
         for name in a.cells:
             c = CELLS[name]
@@ -406,9 +407,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             res["cells"].append(row)
             log(f"{name} {prec}: stock {row['stock']['gen_s']:.2f}s, fastgen {row['fastgen']['gen_s']:.2f}s, "
                 f"{row['ratio']:.2f}x, lossless {row['lossless']}")
-    stem = a.out / f"real_sizes_{a.device}{'_tiny' if a.tiny else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(report(res))
+            # after every cell: a run cut off by a time limit keeps the cells it finished
+            stem.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+            stem.with_suffix(".md").write_text(report(res))
     log(f"wrote {stem}.json, {stem}.md")
     return 0 if all(r["lossless"] for r in res["cells"]) else 1
 

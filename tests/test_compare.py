@@ -28,6 +28,15 @@ def test_score_within_tolerance_is_lossless_not_identical():
     assert 0 < c.max_score_diff <= 1e-4
 
 
+def test_printed_positional_scores_two_roundings_apart_are_lossless():
+    """4-decimal P values 2e-4 apart (two roundings of scores within 1e-4) pass, whatever
+    binary rounding does to their float difference; 3e-4 apart does not."""
+    base = BASE.replace("-1.2370", "-26.2598")
+    assert abs(float("-26.2598") - float("-26.2600")) > 2e-4  # the float pitfall itself
+    assert compare_outputs(base, base.replace("-26.2598", "-26.2600")).lossless
+    assert not compare_outputs(base, base.replace("-26.2598", "-26.2601")).lossless
+
+
 def test_planted_score_difference():
     c = compare_outputs(BASE, BASE.replace("D-0\t-0.5123456789", "D-0\t-0.5133456789"))
     assert not c.lossless and any(d.startswith("D-0") for d in c.differences)
