@@ -131,15 +131,20 @@ def _complete(msg):
     return msg.rstrip().endswith((".", ")")) and "checkpoint file is)" not in msg
 
 
+def _load_error(path, data: bytes) -> str:
+    """The loader's message for a file holding ``data``."""
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    return str(e.value)
+
+
 @pytest.mark.parametrize("cut", [100, 0.5, -10, -1000])
 def test_truncated_zip_checkpoint_says_so_with_path_and_size(tiny, tmp_path, cut):
     data = tiny.postln.read_bytes()
     n = int(len(data) * cut) if isinstance(cut, float) else (cut if cut > 0 else len(data) + cut)
     path = tmp_path / "cut.pt"
-    path.write_bytes(data[:n])
-    with pytest.raises(CheckpointError) as e:
-        checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    msg = str(e.value)
+    msg = _load_error(path, data[:n])
     assert msg.startswith(f"{path} is truncated (it ends before its zip archive's end record): "
                           f"{n:,} bytes on disk. Copy or download it again"), msg
     assert _complete(msg), msg
@@ -152,10 +157,7 @@ def test_truncated_legacy_checkpoint_and_empty_file(tiny, tmp_path):
     data = legacy.read_bytes()
     for n in (20, len(data) // 2, len(data) - 10):
         path = tmp_path / f"legacy_{n}.pt"
-        path.write_bytes(data[:n])
-        with pytest.raises(CheckpointError) as e:
-            checkpoint_utils.load_checkpoint_to_cpu(str(path))
-        msg = str(e.value)
+        msg = _load_error(path, data[:n])
         assert msg.startswith(f"{path} is truncated or corrupt (its data ends early): "
                               f"{n:,} bytes on disk."), msg
         assert _complete(msg), msg
