@@ -236,3 +236,17 @@ def test_suite_quick(tmp_path):
     except ImportError:
         return
     assert any(n.startswith("ct2-") for c in res["cells"] for n in c["systems"])
+
+
+def test_fixed_reference_on_cuda_only_without_fairseqs_cuda_blocker(monkeypatch):
+    """On CUDA stock bans n-grams correctly only with fairseq's CUDA extension; without it
+    (the device kit's fairseq wheel) the suite must compare against #4709-fixed stock."""
+    import importlib.util
+
+    from benchmarks.suite.measure import stock_blocker_is_buggy
+
+    assert stock_blocker_is_buggy("cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert not stock_blocker_is_buggy("cuda") and stock_blocker_is_buggy("cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert stock_blocker_is_buggy("cuda")

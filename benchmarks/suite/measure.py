@@ -78,7 +78,7 @@ def measure_cell(ctx: SuiteContext, spec: CellSpec) -> dict:
         systems += [(f"ct2-{ct}", ct) for ct in ctx.ct2_types[spec.precision]]
     runs = _interleaved(ctx, spec, a, systems)
     stock_out = runs["stock"][0]["stdout"]
-    fixed_out = _fixed_reference(ctx, spec, a) if spec.ngram and ctx.device == "cpu" else None
+    fixed_out = _fixed_reference(ctx, spec, a) if spec.ngram and stock_blocker_is_buggy(ctx.device) else None
     s_hyps, refs, plen = hyps_refs(stock_out)
     src_lens = ctx.meta[spec.model][spec.split]["src_lens"]
     ids = sorted(s_hyps)
@@ -133,6 +133,15 @@ def _run_system(ctx: SuiteContext, spec: CellSpec, a: List[str], name: str, flag
         raise RuntimeError(f"{name} failed ({r.returncode}) on {spec.tag}:\n{r.stderr[-3000:]}")
     return dict(gen_time=r.gen_time, wall=r.wall, sentences=r.sentences, tokens=r.tokens,
                 peak_rss_mb=r.peak_rss_mb, peak_gpu_mb=gpu, stdout=r.stdout, flags=flags or [])
+
+
+def stock_blocker_is_buggy(device: str) -> bool:
+    """Whether stock's n-gram ban is its pure-Python one, which bans nothing (#4709): always
+    on CPU, and on CUDA when fairseq was built without its CUDA extension (the device kit's
+    wheel is)."""
+    import importlib.util
+
+    return device == "cpu" or importlib.util.find_spec("fairseq.ngram_repeat_block_cuda") is None
 
 
 def _fixed_reference(ctx: SuiteContext, spec: CellSpec, a: List[str]) -> str:
