@@ -17,6 +17,7 @@ setup(
         "fairseq_fastgen.models",
         "fairseq_fastgen.search",
         "fairseq_fastgen.search.aggressive",
+        "fairseq_fastgen.search.continuous",
         "fairseq_fastgen.tasks",
         "fairseq_fastgen.cuda",
     ],

@@ -122,6 +122,16 @@ class FastGenConfig:
             "sampling or --retain-dropout"
         },
     )
+    continuous: bool = field(
+        default=True,
+        metadata={
+            "help": "continuous batching of beam search in fairseq-generate: when a "
+            "sentence finishes, the next sentence of the data takes its rows, so up to "
+            "--batch-size sentences are decoded at every step; each sentence keeps the "
+            "length limit, prefix and rules of the batch stock puts it in; lossless mode "
+            "only (bitwise keeps stock's GEMM shapes)"
+        },
+    )
     keep_last_batch: bool = field(
         default=False,
         metadata={
@@ -188,6 +198,7 @@ class FastGenConfig:
             "shared_encoder": fast and self.shared_encoder,
             "kv_cache": fast and self.kv_cache,
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
+            "continuous_batching": fast and self.continuous and not self.bitwise,
             "ngram_blocker=" + self.ngram_blocker: on,
             "aggressive_greedy=" + self.aggressive + (
                 "+draft_model" if self.draft_model else ""): fast and self.aggressive != "off",

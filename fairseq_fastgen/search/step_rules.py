@@ -23,12 +23,15 @@ class StepAt(NamedTuple):
 
     lo <= steps <= hi are host bounds (hi may be an upper bound: it only enables rules);
     steps: (m,) int64 step of each row, None when every row is at step ``lo`` (== hi);
-    rows: (m,) int64 row of ``prefix_tokens`` of each lprobs row (None: row i is row i).
+    rows: (m,) int64 row of ``prefix_tokens`` of each lprobs row (None: row i is row i);
+    limits: (m,) int64 length limit (``max_len``) of each row, None: the caller's one
+    ``max_len`` (continuous batching mixes sentences of batches with other limits).
     """
     lo: int
     hi: int
     steps: Optional[Tensor] = None
     rows: Optional[Tensor] = None
+    limits: Optional[Tensor] = None
 
     @classmethod
     def uniform(cls, step: int) -> "StepAt":
@@ -107,11 +110,11 @@ class StepRules:
         return lprobs
 
     def _only_eos_at_max_len(self, lprobs: Tensor, at: StepAt, max_len: int) -> None:
-        if at.lo >= max_len:  # every row at the limit: stock's slices
+        if at.limits is None and at.lo >= max_len:  # every row at the limit: stock's slices
             lprobs[:, : self.eos] = -math.inf
             lprobs[:, self.eos + 1:] = -math.inf
-        elif at.hi >= max_len:
-            at_max = at.steps >= max_len
+        elif at.hi >= max_len or at.limits is not None:
+            at_max = at.steps >= (max_len if at.limits is None else at.limits)
             if bool(at_max.any()):
                 idx = at_max.nonzero().squeeze(1)
                 keep = lprobs[idx, self.eos].clone()
@@ -121,7 +124,8 @@ class StepRules:
     def _force_prefix(self, lprobs: Tensor, at: StepAt, max_len: int,
                       prefix_tokens: Optional[Tensor], beam: int) -> Union[bool, Tensor]:
         """Rows at a prefix step keep only their prefix token (pad in the prefix: free).
-        Returns whether rows are at a prefix step: True/False for all rows, or (m,) bool."""
+        Returns whether rows are at a prefix step: True/False for all rows, or (m,) bool.
+        With ``at.limits``, ``max_len`` only gates (the largest limit)."""
         if prefix_tokens is None or at.lo >= prefix_tokens.size(1) or at.lo >= max_len:
             return False
         plen = prefix_tokens.size(1)
@@ -131,7 +135,8 @@ class StepRules:
         else:
             rows = prefix_tokens if at.rows is None else prefix_tokens.index_select(0, at.rows)
             ptok = rows.gather(1, at.steps.clamp(max=plen - 1).unsqueeze(1)).squeeze(1)
-            in_prefix = (at.steps < plen) & (at.steps < max_len)
+            in_prefix = (at.steps < plen) & (
+                at.steps < (max_len if at.limits is None else at.limits))
         forced = ptok.ne(self.pad)
         if in_prefix is not True:
             forced &= in_prefix

@@ -149,6 +149,27 @@ class DecodeJob:
         self.prefix_size = prefix_size
         self.pack = pack
 
+    def prefix(self, sample: Dict[str, Any]):
+        """stock's prefix tokens of a batch (None without --prefix-size)."""
+        return sample["target"][:, : self.prefix_size] if self.prefix_size > 0 else None
+
+    def continuous(self, log_fallbacks: bool = True):
+        """The continuous-batching engine over this job's generator, or None (one log
+        line says why) when batches are decoded one at a time."""
+        from ..search.continuous import ContinuousBeamSearch, unsupported
+
+        reason = unsupported(self.generator, self.task)
+        if reason is not None:
+            if log_fallbacks and getattr(self.generator, "fastgen", None) is not None:
+                logger.info("continuous batching off: %s; batches decoded one at a time", reason)
+            return None
+
+        def regular(sample, prefix_tokens):
+            return self.task.inference_step(self.generator, self.models, sample,
+                                            prefix_tokens=prefix_tokens)
+
+        return ContinuousBeamSearch(self.generator, regular=regular)
+
     def __call__(self, sample: Dict[str, Any], host_sample: Optional[Dict[str, Any]] = None
                  ) -> Tuple[BatchRecord, DecodeStats]:
         prefix_tokens = None

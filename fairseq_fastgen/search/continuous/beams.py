@@ -1,0 +1,200 @@
+"""The beam-search state of every sentence slot, stepped at once: candidates, finished
+hypotheses and the next hypotheses of ``slots x beam`` rows whose sentences stand at
+different steps.
+
+Each statement is fairseq ``SequenceGenerator._generate``'s, applied per slot: a slot's
+candidates are its own ``2*beam`` best ``lprob + score`` (step 0: of its first beam only,
+as ``BeamSearch.step`` does), its eos candidates among the first ``beam`` are finalized in
+candidate order until it has ``beam`` (``finalize_hypos``: positional scores, length
+normalization with the slot's own step, ``--match-source-len``), and its next hypotheses
+are the first ``beam`` non-eos candidates (the ``active_mask`` top-k).  Nothing couples
+two slots, so a sentence's hypotheses are those stock computes for it in its own batch,
+given the same log-probabilities (which differ only by GEMM rounding: lossless mode).
+
+Finished hypotheses are kept in tensors (``(slots, beam, L)``), so a step finalizes every
+slot's eos candidates with a few tensor operations and one host read; hypotheses become
+fairseq's dicts only when their sentence is done.
+"""
+import math
+from typing import Dict, List
+
+import torch
+from torch import Tensor
+
+from ..candidates import top_candidates
+
+
+class SlotBeams:
+    """Tokens, scores and finished hypotheses of ``slots`` sentences of ``beam`` rows.
+
+    tokens: (rows, L+2) int64 (BOS at 0, step t's word at t+1); scores: (rows, L+1)
+    cumulative scores; ignore: (slots, beam) bool, stock's ``cands_to_ignore``.
+    Finished: fin_tokens (slots, beam, L+1), fin_pos (slots, beam, L+1) positional scores,
+    fin_score (slots, beam), fin_len (slots, beam) int64, fin_count (slots,) int64.
+    """
+
+    def __init__(self, beam: int, eos: int, pad: int, normalize: bool, len_penalty: float,
+                 match_source_len: bool, device):
+        self.beam = beam
+        self.eos = eos
+        self.pad = pad
+        self.normalize = normalize
+        self.len_penalty = len_penalty
+        self.match_source_len = match_source_len
+        self.device = device
+        self.width = 0  # L
+        self.slots = 0
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        self.tokens = self.scores = self.ignore = z
+        self.fin_tokens = self.fin_pos = self.fin_score = self.fin_len = self.fin_count = z
+
+    # ---- room --------------------------------------------------------------------
+
+    def ensure(self, slots: int, width: int) -> None:
+        """Room for ``slots`` slots and hypotheses of ``width`` steps (new room empty)."""
+        if slots <= self.slots and width <= self.width:
+            return
+        s2, w2 = max(slots, self.slots), max(width, self.width)
+        k, dev = self.beam, self.device
+
+        def grown(old: Tensor, shape, fill, dtype):
+            new = torch.full(shape, fill, dtype=dtype, device=dev)
+            if old.numel():
+                new[tuple(slice(0, d) for d in old.shape)] = old
+            return new
+
+        self.tokens = grown(self.tokens, (s2 * k, w2 + 2), self.pad, torch.long)
+        self.scores = grown(self.scores, (s2 * k, w2 + 1), 0.0, torch.float)
+        self.ignore = grown(self.ignore, (s2, k), False, torch.bool)
+        self.fin_tokens = grown(self.fin_tokens, (s2, k, w2 + 1), self.pad, torch.long)
+        self.fin_pos = grown(self.fin_pos, (s2, k, w2 + 1), 0.0, torch.float)
+        self.fin_score = grown(self.fin_score, (s2, k), 0.0, torch.float)
+        self.fin_len = grown(self.fin_len, (s2, k), 0, torch.long)
+        self.fin_count = grown(self.fin_count, (s2,), 0, torch.long)
+        self.slots, self.width = s2, w2
+
+    def start(self, slots: Tensor, bos: int) -> None:
+        """Slots (m,) begin new sentences: BOS, no score, nothing finished."""
+        rows = (slots.unsqueeze(1) * self.beam + torch.arange(self.beam, device=self.device)).view(-1)
+        self.tokens[rows] = self.pad
+        self.tokens[rows, 0] = bos
+        self.scores[rows] = 0.0
+        self.ignore[slots] = False
+        self.fin_count[slots] = 0
+
+    def keep(self, slots: Tensor) -> None:
+        """Only slots (s_new,) stay, in that order (rows already reordered by the step)."""
+        for name in ("ignore", "fin_tokens", "fin_pos", "fin_score", "fin_len", "fin_count"):
+            setattr(self, name, getattr(self, name).index_select(0, slots))
+        self.slots = slots.numel()
+        self.tokens = self.tokens[: self.slots * self.beam]
+        self.scores = self.scores[: self.slots * self.beam]
+
+    # ---- one step ------------------------------------------------------------------
+
+    def step(self, lprobs: Tensor, steps: Tensor, first: Tensor, src_len: Tensor) -> Tensor:
+        """Candidates, finalization and the next hypotheses of every slot.
+
+        lprobs: (slots*beam, V) masked log-probabilities; steps: (slots,) int64 step of
+        each slot; first: (slots,) bool, slot at step 0; src_len: (slots,) source lengths.
+        Returns order (slots*beam,) int64: the row each next hypothesis continues (the
+        caches follow it).  fin_count then says which slots have ``beam`` hypotheses.
+        """
+        k, s = self.beam, steps.numel()
+        n = s * k
+        lp = lprobs.view(s, k, -1)
+        row_steps = steps.repeat_interleave(k)
+        cand_scores, cand_words, cand_beams = self._candidates(lp, row_steps, first)
+        cand_bbsz = cand_beams + (torch.arange(s, device=self.device) * k).unsqueeze(1)
+        eos_mask = cand_words.eq(self.eos) & cand_scores.ne(-math.inf)
+        eos_mask[:, :k][self.ignore[:s]] = False
+        self._finalize(eos_mask[:, :k], cand_bbsz, cand_scores, steps, src_len)
+
+        # stock's choice of the next hypotheses: the first beam non-eos candidates
+        cand_size = 2 * k
+        offsets = torch.arange(cand_scores.size(1), device=self.device)
+        eos_mask[:, :k] = ~((~self.ignore[:s]) & (~eos_mask[:, :k]))
+        active_mask = eos_mask.long() * cand_size + offsets
+        new_ignore, active = torch.topk(active_mask, k=k, dim=1, largest=False)
+        self.ignore[:s] = new_ignore.ge(cand_size)[:, :k]
+        order = torch.gather(cand_bbsz, 1, active).view(-1)
+        self.tokens[:n] = self.tokens.index_select(0, order)
+        self.scores[:n] = self.scores.index_select(0, order)
+        r = torch.arange(n, device=self.device)
+        self.tokens[r, row_steps + 1] = torch.gather(cand_words, 1, active).view(-1)
+        self.scores[r, row_steps] = torch.gather(cand_scores, 1, active).view(-1).type_as(self.scores)
+        return order
+
+    def _candidates(self, lp: Tensor, row_steps: Tensor, first: Tensor):
+        """(slots, 2*beam) scores, words and beams, as ``BeamSearch.step`` selects them."""
+        s, k, _ = lp.shape
+        cum = self.scores[: s * k].gather(1, (row_steps - 1).clamp(min=0).unsqueeze(1)).view(s, k)
+        n_first = int(first.sum())
+        if n_first == 0:
+            return top_candidates(lp, cum, 2 * k)
+        if n_first == s:
+            return top_candidates(lp[:, :1], None, 2 * k)
+        fi, di = first.nonzero().squeeze(1), (~first).nonzero().squeeze(1)
+        a = top_candidates(lp.index_select(0, fi)[:, :1], None, 2 * k)
+        b = top_candidates(lp.index_select(0, di), cum.index_select(0, di), 2 * k)
+        out = []
+        for x, y in zip(a, b):
+            z = x.new_empty((s,) + x.shape[1:])
+            z[fi] = x
+            z[di] = y
+            out.append(z)
+        return out
+
+    def _finalize(self, eos: Tensor, cand_bbsz: Tensor, cand_scores: Tensor, steps: Tensor,
+                  src_len: Tensor) -> None:
+        """stock's ``finalize_hypos`` for every slot: eos (slots, beam) bool."""
+        k = self.beam
+        pos = self.fin_count[: eos.size(0)].unsqueeze(1) + eos.long().cumsum(1) - 1
+        accept = eos & pos.lt(k)
+        idx = accept.nonzero()  # the step's one host read
+        if idx.numel() == 0:
+            return
+        slot, j = idx[:, 0], idx[:, 1]
+        bb = cand_bbsz[slot, j]
+        eos_scores = cand_scores[slot, j]
+        st = steps.index_select(0, slot)
+        e = torch.arange(slot.numel(), device=self.device)
+        toks = self.tokens.index_select(0, bb)[:, 1:]
+        toks[e, st] = self.eos
+        ps = self.scores.index_select(0, bb).clone()
+        ps[e, st] = eos_scores.type_as(ps)
+        ps[:, 1:] = ps[:, 1:] - ps[:, :-1]
+        if self.normalize:
+            # stock divides by the Python float (step + 1) ** len_penalty
+            denom = (st.double() + 1).pow(self.len_penalty).to(eos_scores.dtype)
+            eos_scores = eos_scores / denom
+        if self.match_source_len:
+            eos_scores = torch.where(st > src_len.index_select(0, slot),
+                                     torch.tensor(-math.inf).to(eos_scores), eos_scores)
+        p = pos[slot, j]
+        self.fin_tokens[slot, p] = toks
+        self.fin_pos[slot, p] = ps
+        self.fin_score[slot, p] = eos_scores.type_as(self.fin_score)
+        self.fin_len[slot, p] = st + 1
+        self.fin_count.index_add_(0, slot, torch.ones_like(slot))
+
+    def hypotheses(self, slots: Tensor) -> List[List[Dict[str, Tensor]]]:
+        """fairseq's finalized hypotheses of each slot in ``slots``, best first."""
+        out = []
+        counts = self.fin_count.index_select(0, slots).tolist()
+        lens = self.fin_len.index_select(0, slots).tolist()
+        for i, s in enumerate(slots.tolist()):
+            hyps = []
+            for p in range(counts[i]):
+                n = lens[i][p]
+                hyps.append({
+                    "tokens": self.fin_tokens[s, p, :n].clone(),
+                    "score": self.fin_score[s, p].clone(),
+                    "attention": torch.empty(0),
+                    "alignment": torch.empty(0),
+                    "positional_scores": self.fin_pos[s, p, :n].clone(),
+                })
+            scores = torch.tensor([float(h["score"].item()) for h in hyps])
+            _, order = torch.sort(scores, descending=True)
+            out.append([hyps[o] for o in order])
+        return out
