@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 NGRAM_BLOCKERS = ("auto", "torch", "cupy", "stock")
 AGGRESSIVE_MODES = ("off", "on", "auto")
+CONTINUOUS_MODES = ("auto", "on", "off")
 
 
 class FastGenConfigError(ValueError):
@@ -122,14 +123,16 @@ class FastGenConfig:
             "sampling or --retain-dropout"
         },
     )
-    continuous: bool = field(
-        default=True,
+    continuous: str = field(
+        default="auto",
         metadata={
-            "help": "continuous batching of beam search in fairseq-generate: when a "
-            "sentence finishes, the next sentence of the data takes its rows, so up to "
-            "--batch-size sentences are decoded at every step; each sentence keeps the "
-            "length limit, prefix and rules of the batch stock puts it in; lossless mode "
-            "only (bitwise keeps stock's GEMM shapes)"
+            "help": "continuous batching of beam search in fairseq-generate's main-process "
+            "decoding: when a sentence finishes, the next sentence of the data takes its "
+            "rows, so up to the largest batch's count of sentences is decoded at every step; "
+            "each sentence keeps the length limit, prefix and rules of the batch stock puts "
+            "it in. on, off, or auto (on for CUDA; off on CPU, where a step costs in "
+            "proportion to its rows: see docs/continuous-batching.md). Lossless mode only",
+            "choices": CONTINUOUS_MODES,
         },
     )
     keep_last_batch: bool = field(
@@ -198,7 +201,8 @@ class FastGenConfig:
             "shared_encoder": fast and self.shared_encoder,
             "kv_cache": fast and self.kv_cache,
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
-            "continuous_batching": fast and self.continuous and not self.bitwise,
+            "continuous_batching=" + self.continuous: (
+                fast and self.continuous != "off" and not self.bitwise),
             "ngram_blocker=" + self.ngram_blocker: on,
             "aggressive_greedy=" + self.aggressive + (
                 "+draft_model" if self.draft_model else ""): fast and self.aggressive != "off",

@@ -8,7 +8,7 @@ from conftest import assert_same_hypos, batches, generators, load
 from fairseq_fastgen.config import FastGenConfig
 from fairseq_fastgen.search.continuous import ContinuousBeamSearch, unsupported
 
-LOSSLESS = FastGenConfig()
+LOSSLESS = FastGenConfig(continuous="on")
 
 
 def run_stream(task, models, cfg, batch_size, gen, capacity=0, prefix_size=0, limit=None,
@@ -96,7 +96,60 @@ def test_match_source_len_is_not_served(tiny):
     assert "LengthConstrainedBeamSearch" in unsupported(fast, task)
 
 
+def test_auto_is_off_on_cpu(tiny):
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    _, fast = generators(task, models, FastGenConfig(), beam=5)
+    assert "auto on CPU" in unsupported(fast, task)
+
+
 def test_bitwise_is_not_served(tiny):
     task, models, cfg = load(tiny.data, [tiny.preln])
-    _, fast = generators(task, models, FastGenConfig(bitwise=True), beam=5)
+    _, fast = generators(task, models, FastGenConfig(bitwise=True, continuous="on"), beam=5)
     assert "bitwise" in unsupported(fast, task)
+
+
+# ---- end to end: fairseq-generate, stock vs --fastgen-continuous on --------------------
+
+CLI_ON = ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]
+
+
+@pytest.mark.parametrize("opts", [
+    ["--beam", "5", "--nbest", "3", "--batch-size", "7"],
+    ["--beam", "4", "--batch-size", "1"],
+    ["--beam", "5", "--max-tokens", "300", "--max-len-a", "0.5", "--max-len-b", "3"],
+    ["--beam", "4", "--prefix-size", "2", "--batch-size", "16"],
+    ["--beam", "3", "--lenpen", "0.5", "--batch-size", "64", "--quiet"],
+], ids=["nbest3-b7", "b1", "max-tokens-trunc", "prefix2", "lenpen-b64-quiet"])
+def test_cli_generate_lossless(tiny, opts):
+    from fairseq_fastgen.compare import side_by_side
+
+    args = [str(tiny.data), "--path", str(tiny.preln)] + opts
+    res = side_by_side(args, plugin_args=CLI_ON)
+    assert res.comparison.lossless, res.comparison.differences[:5]
+    assert "continuous batching (" in res.plugin[0].stderr
+    if "--quiet" not in opts:
+        assert res.stock[0].stdout.count("\nH-") >= 30
+
+
+def test_cli_bundled_lossless_in_stock_order():
+    from conftest import bundled
+    from fairseq_fastgen.compare import side_by_side
+
+    b = bundled("es-en")
+    args = b.args + ["--beam", "5", "--batch-size", "24", "--scoring", "sacrebleu",
+                     "--gen-subset", "test1"]
+    res = side_by_side(args, plugin_args=CLI_ON)
+    assert res.comparison.lossless, res.comparison.differences[:5]
+    # every sentence once, lines in stock's order
+    ids = lambda out: [l.split("\t")[0] for l in out.splitlines() if l.startswith("H-")]  # noqa
+    assert ids(res.plugin[0].stdout) == ids(res.stock[0].stdout)
+    assert len(set(ids(res.plugin[0].stdout))) == 100
+
+
+def test_cli_auto_on_cpu_logs_why(tiny):
+    from fairseq_fastgen.compare import run_generate
+
+    r = run_generate([str(tiny.data), "--path", str(tiny.preln), "--beam", "2",
+                      "--fastgen-decode-workers", "1"], plugin=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "continuous batching off: auto on CPU" in r.stderr

@@ -83,10 +83,11 @@ class SlotCross:
     def keep(self, slots: Tensor) -> None:
         """Only slots (s_new,) stay, in that order."""
         h, hd = self.heads, self.head_dim
-        w = self.k.size(1)
-        self.k = self.k.view(-1, h, w, hd).index_select(0, slots).view(-1, w, hd)
-        self.v = self.v.view(-1, h, w, hd).index_select(0, slots).view(-1, w, hd)
-        self.pad = self.pad.index_select(0, slots)
+        w, m = self.k.size(1), slots.numel()
+        for name in ("k", "v"):  # in place: the buffers keep their size
+            buf = getattr(self, name).view(-1, h, w, hd)
+            buf[:m] = buf.index_select(0, slots)
+        self.pad[:m] = self.pad.index_select(0, slots)
 
     def attend(self, x: Tensor, beam: int, need_attn: bool = False):
         """x: (slots*beam, C) queries.  Returns (rows, C) and None."""
@@ -124,7 +125,8 @@ class SlotDecoder:
             ea = l.layer.encoder_attn
             self.cross.append(None if ea is None else SlotCross(
                 ea, l.heads, l.head_dim, l.ea_q or ea.q_proj, l.ea_out or ea.out_proj))
-        self.k: List[Tensor] = []  # per layer (T, rows, C)
+        self.k: List[Tensor] = []  # per layer (T, capacity rows, C); rows [:self.rows] in use
+        self.rows = 0
         self.v: List[Tensor] = []
         self._spare: List[Optional[Tensor]] = []
         self._positions: Optional[Tensor] = None
@@ -135,6 +137,7 @@ class SlotDecoder:
     def reset(self) -> None:
         """Forget every slot (a new run of batches)."""
         self.k, self.v, self._spare = [], [], []
+        self.rows = 0
         for c in self.cross:
             if c is not None:
                 c.k = c.v = c.pad = None
@@ -157,23 +160,25 @@ class SlotDecoder:
         self._ensure(rows, max_steps)
 
     def _ensure(self, rows: int, steps: int) -> None:
-        """Buffers of exactly ``rows`` rows (a view of the whole buffer per step, never a
-        copy) and at least ``steps`` positions."""
+        """Buffers of at least ``rows`` rows and ``steps`` positions; ``rows`` in use.
+
+        Buffers keep their size when rows are dropped (the rows in use are a prefix,
+        still a view of ``(t, rows*H, hd)``): no allocation after the first batches."""
         dev, dtype = self.stack.device_dtype()
         if self._positions is None or self._positions.size(1) < steps:
             self._positions = self.stack.position_table(steps)
-        if self.k and self.k[0].size(0) >= steps and self.k[0].size(1) == rows:
+        self.rows = rows
+        if self.k and self.k[0].size(0) >= steps and self.k[0].size(1) >= rows:
             return
         had = bool(self.k)
         for i, l in enumerate(self.stack.layers):
             t, n = self.k[i].shape[:2] if had else (0, 0)
-            shape = (max(t, steps), rows, l.dim)
-            k = torch.zeros(shape, device=dev, dtype=dtype)
+            # zeros, not empty: masked positions must hold finite values (0 * NaN is NaN)
+            k = torch.zeros(max(t, steps), max(n, rows), l.dim, device=dev, dtype=dtype)
             v = torch.zeros_like(k)
             if had:
-                m = min(n, rows)
-                k[:t, :m] = self.k[i][:, :m]
-                v[:t, :m] = self.v[i][:, :m]
+                k[:t, :n] = self.k[i]
+                v[:t, :n] = self.v[i]
                 self.k[i], self.v[i] = k, v
             else:
                 self.k.append(k)
@@ -182,17 +187,17 @@ class SlotDecoder:
 
     def reorder(self, order: Tensor, keep_slots: Optional[Tensor], upto: int) -> None:
         """Row i becomes old row order[i] (n_new,) for every cached step < ``upto``
-        (double-buffered ``index_select``); keep_slots (s_new,): the slots that stay, in
-        order (None: all)."""
+        (double-buffered ``index_select`` into the rows' prefix); keep_slots (s_new,): the
+        slots that stay, in order (None: all)."""
         n_new = order.numel()
         for j, (bufs, i) in enumerate((b, i) for i in range(len(self.k)) for b in (self.k, self.v)):
             cur = bufs[i]
             spare = self._spare[j]
-            if spare is None or spare.size(1) != n_new or spare.size(0) != cur.size(0):
-                spare = cur.new_zeros(cur.size(0), n_new, cur.size(2))
-            torch.index_select(cur[:upto], 1, order, out=spare[:upto])
-            bufs[i] = spare
-            self._spare[j] = cur if cur.size(1) == n_new else None
+            if spare is None or spare.shape != cur.shape:
+                spare = torch.zeros_like(cur)
+            torch.index_select(cur[:upto, : self.rows], 1, order, out=spare[:upto, :n_new])
+            bufs[i], self._spare[j] = spare, cur
+        self.rows = n_new
         if keep_slots is not None:
             for c in self.cross:
                 if c is not None:
@@ -241,8 +246,8 @@ class SlotDecoder:
         vb[steps, ar] = v
         t1 = t_max + 1
         bh = n * l.heads
-        keys = kb[:t1].view(t1, bh, l.head_dim).transpose(0, 1)
-        values = vb[:t1].view(t1, bh, l.head_dim).transpose(0, 1)
+        keys = kb[:t1, :n].view(t1, bh, l.head_dim).transpose(0, 1)
+        values = vb[:t1, :n].view(t1, bh, l.head_dim).transpose(0, 1)
         w = torch.bmm(q.reshape(bh, 1, l.head_dim), keys.transpose(1, 2))  # (bh, 1, t1)
         w = (w.view(n, l.heads, t1) + mask.unsqueeze(1)).view(bh, 1, t1)
         p = F.softmax(w, dim=-1, dtype=torch.float32).type_as(w)

@@ -34,8 +34,8 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
     cfg = getattr(generator, "fastgen", None)
     if cfg is None or not hasattr(generator, "_decoders"):
         return "not the fastgen generator"
-    if not cfg.continuous:
-        return "switched off (--fastgen-no-continuous)"
+    if cfg.continuous == "off":
+        return "switched off (--fastgen-continuous off)"
     if cfg.bitwise:
         return "bitwise mode keeps stock's batches and GEMM shapes"
     if generator._fallback_reason is not None:
@@ -53,6 +53,11 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
         return "models in training mode (--retain-dropout)"
     if task is not None and type(task).inference_step is not FairseqTask.inference_step:
         return f"task {type(task).__name__} has its own inference_step"
+    if cfg.continuous == "auto" and not next(generator.model.parameters()).is_cuda:
+        # measured: docs/continuous-batching.md
+        return ("auto on CPU, where a step costs in proportion to its rows and refilled "
+                "rows do not pay for their mixed history lengths (--fastgen-continuous on "
+                "forces it)")
     return None
 
 
