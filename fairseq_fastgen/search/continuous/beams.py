@@ -47,6 +47,7 @@ class SlotBeams:
         z = torch.zeros(0, dtype=torch.long, device=device)
         self.tokens = self.scores = self.ignore = z
         self.fin_tokens = self.fin_pos = self.fin_score = self.fin_len = self.fin_count = z
+        self.had_eos = z.bool()
 
     # ---- room --------------------------------------------------------------------
 
@@ -98,7 +99,8 @@ class SlotBeams:
         lprobs: (slots*beam, V) masked log-probabilities; steps: (slots,) int64 step of
         each slot; first: (slots,) bool, slot at step 0; src_len: (slots,) source lengths.
         Returns order (slots*beam,) int64: the row each next hypothesis continues (the
-        caches follow it).  fin_count then says which slots have ``beam`` hypotheses.
+        caches follow it).  fin_count then says which slots have ``beam`` hypotheses and
+        had_eos (slots,) bool which slots finalized a hypothesis at this step.
         """
         k, s = self.beam, steps.numel()
         n = s * k
@@ -108,6 +110,7 @@ class SlotBeams:
         cand_bbsz = cand_beams + (torch.arange(s, device=self.device) * k).unsqueeze(1)
         eos_mask = cand_words.eq(self.eos) & cand_scores.ne(-math.inf)
         eos_mask[:, :k][self.ignore[:s]] = False
+        self.had_eos = eos_mask[:, :k].any(1)
         self._finalize(eos_mask[:, :k], cand_bbsz, cand_scores, steps, src_len)
 
         # stock's choice of the next hypotheses: the first beam non-eos candidates

@@ -258,7 +258,15 @@ class _Run:
         src_len = torch.stack([p.batch.src_len[p.index] for p in self.slot_of]) if (
             rules.match_source_len) else steps
         order = beams.step(lprobs, steps, steps.eq(0), src_len)
-        done_t = beams.fin_count[:s].ge(k) | steps.ge(limits)
+        at_limit = steps.ge(limits)
+        stuck = at_limit & ~beams.had_eos
+        if bool(stuck.any()):
+            # stock finishes a sentence at its length limit only through an eos candidate;
+            # one whose every candidate scores -inf (e.g. the n-gram ban left no word) fails
+            # its batch with this assertion, and so does the stream
+            i = int(stuck.nonzero()[0])
+            raise AssertionError(f"{self.steps[i]} < {self.limits[i]}")
+        done_t = beams.fin_count[:s].ge(k) | at_limit
         done = done_t.nonzero().squeeze(1).tolist()
         for d in eng.decoders:
             d.reorder(order, None, t_max + 1)

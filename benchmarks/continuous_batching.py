@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Continuous batching ablation (issue 16): one process, stock vs fastgen with and without
+``--fastgen-continuous``, side by side in one run.
+
+Every system decodes in the main process (``--fastgen-decode-workers 1``), so the figure
+is the engine's, not the decoding workers'.  Runs are interleaved (order rotated per
+round), times are fairseq's own generation time (min over rounds), and each fastgen
+output is checked lossless against stock's output of the same round.
+
+    python benchmarks/continuous_batching.py [--batches 8 64] [--beam 5] [--subset test]
+        [--rounds 2] [--out benchmarks/results/continuous_batching]
+"""
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fairseq_fastgen.compare import compare_outputs, run_generate  # noqa: E402
+
+BUNDLE = ROOT / "examples" / "bible" / "bundle" / "es-en"
+SYSTEMS = {
+    "stock": None,
+    "fastgen (continuous off)": ["--fastgen-decode-workers", "1", "--fastgen-continuous", "off"],
+    "fastgen (continuous on)": ["--fastgen-decode-workers", "1", "--fastgen-continuous", "on"],
+}
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cell(batch: int, beam: int, subset: str, rounds: int) -> dict:
+    args = [str(BUNDLE), "--path", str(BUNDLE / "checkpoint.pt"), "--source-lang", "es",
+            "--target-lang", "en", "--gen-subset", subset, "--beam", str(beam),
+            "--batch-size", str(batch), "--post-process", "sentencepiece", "--cpu"]
+    names = list(SYSTEMS)
+    best = {n: float("inf") for n in names}
+    lossless = {n: True for n in names[1:]}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        outs = {}
+        for n in order:
+            extra = SYSTEMS[n]
+            run = run_generate(args, plugin=extra is not None, plugin_args=extra or ())
+            if run.returncode != 0:
+                raise RuntimeError(f"{n} failed:\n{run.stderr[-2000:]}")
+            best[n] = min(best[n], run.gen_time)
+            outs[n] = run.stdout
+        for n in names[1:]:
+            lossless[n] &= compare_outputs(outs["stock"], outs[n]).lossless
+        print(f"batch {batch} round {r}: " + ", ".join(f"{n} {best[n]:.2f}s" for n in names),
+              flush=True)
+    return {"batch": batch, "beam": beam, "subset": subset, "gen_s": best,
+            "speedup": {n: best["stock"] / best[n] for n in names[1:]}, "lossless": lossless}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--subset", default="test", help="test: 1,000 verses; test1: 100")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "continuous_batching"))
+    a = p.parse_args()
+    cells = [cell(b, a.beam, a.subset, a.rounds) for b in a.batches]
+    res = {"cpu": cpu_name(), "threads": "torch default (all cores)", "cells": cells}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    lines = [f"# Continuous batching ablation, one process ({res['cpu']})", "",
+             "Generation time (fairseq's own), min of interleaved rounds; speed-up over stock.",
+             "", "| batch | beam | " + " | ".join(SYSTEMS) + " | lossless |",
+             "|---|---|" + "---|" * (len(SYSTEMS) + 1)]
+    for c in cells:
+        row = [f"{c['gen_s']['stock']:.2f}s"] + [
+            f"{c['gen_s'][n]:.2f}s ({c['speedup'][n]:.2f}x)" for n in list(SYSTEMS)[1:]]
+        lines.append(f"| {c['batch']} | {c['beam']} | " + " | ".join(row) + " | "
+                     + ("yes" if all(c["lossless"].values()) else "NO") + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(all(c["lossless"].values()) for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
