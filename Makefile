@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fastgen-installed
 
-.PHONY: demo test install clean-venv bench bench-suite bench-quick test-b demo-b
+.PHONY: demo test install clean-venv bench bench-suite bench-quick test-b demo-b fuzz
 
 $(STAMP): setup.py requirements-a.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Differential fuzzer (tests/fuzz_generation.py), a long run: stock fairseq vs the plugin
+# over generation options on tiny random models; prints "fuzz: N examples tried, ...".
+# FUZZ_EXAMPLES sizes it; FUZZ_KEEP_GOING=1 counts every failure instead of stopping at
+# the first; FUZZ_SEED=N draws another sequence (CI's short run is derandomized).
+FUZZ_EXAMPLES ?= 5000
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py -k test_fuzz_generation
 
 bench: bench-suite
 
@@ -65,3 +73,11 @@ DEVICE_WHEELS ?= .device-wheels
 .PHONY: device-wheels
 device-wheels: $(STAMP)
 	$(PY) benchmarks/device/build_wheels.py --python $(PYTHON312) --out $(DEVICE_WHEELS)
+
+# Long-run memory (issue 18): PSS of the whole process tree over time, stock beside the
+# plugin, beams 1 and 5, on the bundled test set repeated to SENTENCES sentences; writes
+# benchmarks/results/long_memory.{json,md}.  100,000 sentences take hours on 2 cores.
+SENTENCES ?= 100000
+.PHONY: bench-memory
+bench-memory: $(STAMP)
+	$(PY) benchmarks/long_memory.py --sentences $(SENTENCES) --beams 1,5

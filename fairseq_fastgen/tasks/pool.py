@@ -4,7 +4,13 @@ At most ``2 * workers + 2`` batches are in flight (memory stays flat on any inpu
 A worker that raises or dies stops the run with an error naming it (no hang); on an
 error, SIGTERM or Ctrl-C the caller ends the workers at once (``close(abort=True)``), and
 a worker whose parent is gone ends by itself (lifecycle.py).
+
+While the workers live, the main process's Python objects are frozen out of the garbage
+collector (:func:`freeze_for_fork`): a collection writes to the header of every object it
+visits, which copies each page it touches, in the worker and in the main process alike,
+and a forked worker then holds private copies of pages of objects it never uses.
 """
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -43,6 +49,17 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+def freeze_for_fork() -> bool:
+    """Before forking: collect once, then keep every object alive now out of later
+    collections (here and in the children), so the pages they live on stay shared.
+    Returns whether this call froze (not when someone else already froze objects)."""
+    if gc.get_freeze_count():
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 class PipelineWorkerError(RuntimeError):
@@ -123,14 +140,19 @@ class Pool:
         nice = WORKER_NICE if (job is None and torch.get_num_threads() >= cores()
                                and not use_cuda) else 0
         kind = "post" if job is None else "dec"  # names of 15 bytes at most (lifecycle)
+        self.froze = freeze_for_fork()
         self.kind = "postprocessing worker" if job is None else "decoding worker"
-        for wid in range(n_workers):
-            p = ctx.Process(target=_worker_loop, name=f"fastgen-{kind}-{wid}",
-                            args=(state, self.tasks, self.results, os.getpid(), wid, nice,
-                                  job, threads, fault),
-                            daemon=True)
-            p.start()
-            self.procs.append(p)
+        try:
+            for wid in range(n_workers):
+                p = ctx.Process(target=_worker_loop, name=f"fastgen-{kind}-{wid}",
+                                args=(state, self.tasks, self.results, os.getpid(), wid,
+                                      nice, job, threads, fault),
+                                daemon=True)
+                p.start()
+                self.procs.append(p)
+        except BaseException:  # no pool for the caller to close: end what started, unfreeze
+            self.close(abort=True)
+            raise
 
     def submit(self, rec) -> None:
         """A batch decoded here (a :class:`BatchRecord`): a worker writes its text."""
@@ -224,6 +246,9 @@ class Pool:
         for q in (self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
+        if self.froze:  # the workers are gone: the main process collects all again
+            gc.unfreeze()
+            self.froze = False
 
 
 def _death(exitcode: int) -> str:
