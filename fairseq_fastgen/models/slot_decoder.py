@@ -34,8 +34,9 @@ _NEG_INF = float("-inf")
 class SlotCross:
     """One layer's encoder-decoder attention over slots (merged-beam GEMMs)."""
 
-    def __init__(self, attn, heads: int, head_dim: int, q_proj, out_proj):
+    def __init__(self, attn, heads: int, head_dim: int, q_proj, out_proj, beam: int):
         self.attn = attn
+        self.beam = beam
         self.heads = heads
         self.head_dim = head_dim
         self.q_proj = q_proj
@@ -89,8 +90,10 @@ class SlotCross:
             buf[:m] = buf.index_select(0, slots)
         self.pad[:m] = self.pad.index_select(0, slots)
 
-    def attend(self, x: Tensor, beam: int, need_attn: bool = False):
-        """x: (slots*beam, C) queries.  Returns (rows, C) and None."""
+    def attend(self, x: Tensor, need_attn: bool = False, beam: Optional[int] = None):
+        """x: (slots*beam, C) queries (the stack's call: ``need_attn`` is never asked
+        here).  Returns (rows, C) and None."""
+        beam = beam or self.beam
         n, c = x.shape
         slots = n // beam
         h, hd = self.heads, self.head_dim
@@ -124,7 +127,7 @@ class SlotDecoder:
         for l in self.stack.layers:
             ea = l.layer.encoder_attn
             self.cross.append(None if ea is None else SlotCross(
-                ea, l.heads, l.head_dim, l.ea_q or ea.q_proj, l.ea_out or ea.out_proj))
+                ea, l.heads, l.head_dim, l.ea_q or ea.q_proj, l.ea_out or ea.out_proj, beam))
         self.k: List[Tensor] = []  # per layer (T, capacity rows, C); rows [:self.rows] in use
         self.rows = 0
         self.v: List[Tensor] = []
@@ -220,22 +223,10 @@ class SlotDecoder:
         def self_attention(i: int, l: LayerWeights, x: Tensor) -> Tensor:
             return self._self_attention(i, l, x, steps, ar, t_max, mask)
 
-        x, _ = self.stack.layers_forward(x, self_attention, self._cross_view(), False)
+        x, _ = self.stack.layers_forward(x, self_attention, self.cross, False)
         x = self.stack.final_features(x)
         lprobs = self.stack.log_probs(x, temperature)[:, : self.vocab]
         return lprobs, self.stack.logits_finite(x)
-
-    def _cross_view(self):
-        beam = self.beam
-
-        class _Bound:  # the stack's cross-attention call signature, at this beam
-            def __init__(self, c):
-                self.c = c
-
-            def attend(self, x, need_attn, beam=None, _b=beam):
-                return self.c.attend(x, _b)
-
-        return [None if c is None else _Bound(c) for c in self.cross]
 
     def _self_attention(self, i: int, l: LayerWeights, x: Tensor, steps: Tensor, ar: Tensor,
                         t_max: int, mask: Tensor) -> Tensor:
