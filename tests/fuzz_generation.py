@@ -51,7 +51,6 @@ class Case:
 class Result:
     problems: List[str] = field(default_factory=list)
     near_ties: List[str] = field(default_factory=list)
-    known: List[str] = field(default_factory=list)  # a reported bug's signature (KNOWN_BUGS)
     sentences: int = 0
     stock_error: Optional[str] = None
 
@@ -310,26 +309,7 @@ def _compare_runs(expected, got, batches, bitwise, case, models, res):
                 if not bitwise and not torch.equal(hs["tokens"], hf["tokens"]):
                     tie = near_tie(case, models, b, j, hs, hf)
                 msg = f"{where} hypothesis {r}: {diff}"
-                if bitwise and known_bug(b, case, hs, hf):
-                    res.known.append(msg)
-                    continue
                 (res.near_ties if tie else res.problems).append(msg + (f" ({tie})" if tie else ""))
-
-
-# Bugs reported, not fixed here (their examples are strict xfails in tests/test_fuzz.py):
-# a difference with the signature is counted apart, not as a failure.  Remove the entry
-# when its xfail flips.
-KNOWN_BUGS = {
-    "bitwise-one-token-source": "models/cached_attention.py projects a one-sentence, "
-    "one-token batch's keys/values as a 1-row GEMM (MKL: gemv): last bits differ",
-}
-
-
-def known_bug(batch, case: Case, hs, hf) -> bool:
-    """Whether a bitwise difference is bitwise-one-token-source: one sentence of one
-    token at beam > 1, equal within the lossless tolerance."""
-    return (batch["net_input"]["src_tokens"].numel() == 1 and case.gen["beam"] > 1
-            and hypo_difference(hs, hf, bitwise=False) is None)
 
 
 def hypo_difference(hs, hf, bitwise: bool) -> Optional[str]:

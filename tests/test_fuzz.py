@@ -58,7 +58,6 @@ def summarize(results: List[Tuple[Case, fz.Result]]) -> Dict[str, int]:
     return {"examples": len(results),
             "failures": sum(1 for _, r in results if r.problems),
             "near_ties": sum(len(r.near_ties) for _, r in results),
-            "known": sum(1 for _, r in results if r.known),
             "stock_errors": sum(1 for _, r in results if r.stock_error),
             "sentences": sum(r.sentences for _, r in results)}
 
@@ -91,8 +90,7 @@ def test_fuzz_generation(pool, capsys):
         counts = summarize(results)
         with capsys.disabled():
             print(f"\nfuzz: {counts['examples']} examples tried, {counts['failures']} failing, "
-                  f"{counts['near_ties']} near-tie hypotheses, {counts['known']} with a known "
-                  f"(reported) bug, {counts['stock_errors']} with a "
+                  f"{counts['near_ties']} near-tie hypotheses, {counts['stock_errors']} with a "
                   f"stock error (matched or not), {counts['sentences']} sentences compared")
             for case, res in results:
                 for t in res.near_ties:
@@ -105,11 +103,9 @@ def test_fuzz_generation(pool, capsys):
 
 # ---- examples the fuzzer found, kept -------------------------------------------------------
 
-def _kept(name, case, xfail=None):
-    """One example the fuzzer found; xfail: the reason, for a bug reported but not fixed
-    here (strict: the test flips when the bug is fixed)."""
-    marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
-    return pytest.param(case, id=name, marks=marks)
+def _kept(name, case):
+    """One example the fuzzer found."""
+    return pytest.param(case, id=name)
 
 
 KEPT = [
@@ -121,14 +117,13 @@ KEPT = [
         model="postln", sources=[[1, 2], [3]], targets=[[], []], batch_size=1,
         gen=dict(beam=2, min_len=70, max_len_b=80, no_repeat_ngram_size=1),
         fastgen=dict(continuous="on"))),
-    # models/cached_attention.py (not fixed here: reported): bitwise mode, a batch of one
-    # empty sentence (source = eos only) at beam > 1.  Keys/values are projected once per
-    # sentence, a 1-row GEMM (S*bsz = 1) that MKL runs as a matrix-vector product, whose
-    # last bits differ from stock's beam-row GEMM over the replicated encoder output
+    # models/cached_attention.py (fixed): bitwise mode, a batch of one empty sentence
+    # (source = eos only) at beam > 1.  Keys/values were projected once per sentence, a
+    # 1-row GEMM (S*bsz = 1) that MKL runs as a matrix-vector product, whose last bits
+    # differ from stock's beam-row GEMM over the replicated encoder output
     _kept("bitwise-one-token-source", Case(
         model="postln", sources=[[]], targets=[[]], gen=dict(beam=2, max_len_b=4),
-        fastgen=dict(bitwise=True)),
-        xfail="bitwise: 1-row K/V projection of a one-token source (models/cached_attention.py)"),
+        fastgen=dict(bitwise=True))),
     # the same source in lossless mode, and two of them in bitwise mode (2 rows): exact
     _kept("one-token-source-lossless", Case(
         model="postln", sources=[[]], targets=[[]], gen=dict(beam=2, max_len_b=4), fastgen={})),
@@ -160,7 +155,7 @@ def test_kept_example(pool, case):
     if case.model == "bart":
         _bart_beam5_first(pool)
     res = fz.check(case, pool)
-    assert not res.problems and not res.known, res.problems + res.known
+    assert not res.problems, res.problems
     assert res.sentences > 0 or res.stock_error  # it decoded something, or both raised
 
 

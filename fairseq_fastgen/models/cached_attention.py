@@ -43,8 +43,7 @@ class CrossAttentionCache:
         self.einsum = bitwise and getattr(attn, "beam_size", 1) > 1
         self.per_sentence = self.merged or self.einsum
         s, bsz, _ = enc.shape
-        k = attn.k_proj(enc)  # (S, bsz, C): once per sentence
-        v = attn.v_proj(enc)
+        k, v = self._project(enc, beam, bitwise and not self.per_sentence)  # (S, bsz, C)
         # (bsz*H, S, hd), as fairseq stores prev_key
         self.k = k.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
         self.v = v.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
@@ -53,6 +52,19 @@ class CrossAttentionCache:
             # one copy per hypothesis: fairseq's layout, built once instead of every step
             rep = torch.arange(bsz, device=enc.device).repeat_interleave(beam)
             self.k, self.v, self.pad = self._rows(rep, beam)
+
+    def _project(self, enc: Tensor, beam: int, bitwise: bool) -> Tuple[Tensor, Tensor]:
+        """Keys and values (S, bsz, C) of enc (S, bsz, C_enc), projected once per sentence.
+
+        A one-row projection (S*bsz == 1: one sentence of one token) is a matrix-vector
+        product for BLAS, whose last bits differ from the ``beam``-row GEMM fairseq runs
+        over the replicated encoder output; in bitwise mode that case projects the beam's
+        replicas, as fairseq does, and keeps the first (found by the fuzzer)."""
+        a = self.attn
+        if bitwise and beam > 1 and enc.size(0) * enc.size(1) == 1:
+            rep = enc.expand(1, beam, enc.size(2)).contiguous()
+            return a.k_proj(rep)[:, :1], a.v_proj(rep)[:, :1]
+        return a.k_proj(enc), a.v_proj(enc)
 
     def _rows(self, sent_rows: Tensor, per_sent: int):
         """Select sentences (bsz_new,) from (bsz*H, S, hd) caches."""

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cached_attention import CrossAttentionCache
-from .kv_cache import KVCache
+from .kv_cache import KVCache, Spare, first_capacity
 from .layers import DecoderStack, LayerWeights
 
 
@@ -53,6 +53,7 @@ class FastDecoder:
         self.vocab = self.stack.vocab
         self._positions: Optional[Tensor] = None
         self.self_kv: List[KVCache] = []
+        self._spare: Spare = None  # the buffers the last layer's reorder left
         self.cross: List[Optional[CrossAttentionCache]] = []
         self.step_idx = 0
         self.beam = 1
@@ -75,10 +76,12 @@ class FastDecoder:
         self._positions = self.stack.position_table(max_len + 1)
         n = bsz * beam
         dev, dtype = self.stack.device_dtype()
+        cap = first_capacity(_source_length(encoder_out), max_len + 1)
         self.self_kv = [
-            KVCache(n, l.dim, max_len + 1, dev, dtype, preallocate=self.kv_cache)
+            KVCache(n, l.dim, max_len + 1, dev, dtype, preallocate=self.kv_cache, initial=cap)
             for l in self.stack.layers
         ]
+        self._spare = None
         self.cross = self.stack.cross_caches(encoder_out, beam, shared=self.shared_encoder)
         # At step 0 every hypothesis of a sentence is the same (BOS, empty history): in
         # lossless mode one row per sentence is computed and copied to the beam (fewer
@@ -88,8 +91,10 @@ class FastDecoder:
 
     def reorder(self, order: Tensor) -> None:
         """order: (n_new,) int64 row of the previous step each new hypothesis continues."""
-        for cache in self.self_kv:
-            cache.reorder(order)
+        spare = self._spare
+        for cache in self.self_kv:  # each layer reorders into the buffers the last one left
+            spare = cache.reorder(order, spare)
+        self._spare = spare
 
     def select_sentences(self, sent_idx: Tensor, order: Tensor) -> None:
         """Drop finished sentences: sent_idx (bsz_new,) kept sentences; order as reorder()."""
@@ -143,3 +148,10 @@ class FastDecoder:
         p = F.softmax(w, dim=-1, dtype=torch.float32).type_as(w)
         out = torch.bmm(p, values).view(n, c)
         return l.sa_out(out)
+
+
+def _source_length(encoder_out: Optional[dict]) -> Optional[int]:
+    """Padded source length S of fairseq's encoder output (None: no encoder)."""
+    if encoder_out is None or len(encoder_out.get("encoder_out", [])) == 0:
+        return None
+    return encoder_out["encoder_out"][0].size(0)

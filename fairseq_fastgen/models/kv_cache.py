@@ -1,17 +1,43 @@
 """Preallocated self-attention key/value cache, appended and reordered in place.
 
 Layout is time-major, ``(capacity, n, C)``: the valid prefix ``[:t]`` of the buffer is
-contiguous, so a beam reorder is one ``index_select(..., out=)`` into a second buffer
-(double buffering) and appending a step is one row copy.  fairseq instead re-allocates
-the whole cache twice per step (``index_select`` in ``reorder_incremental_state`` and
-``torch.cat`` in attention).  Attention reads the prefix as a strided
-``(n*heads, t, head_dim)`` view; batched GEMM on it gives the same bits as on a
-contiguous copy.
+contiguous, so a beam reorder is one ``index_select(..., out=)`` into a spare buffer and
+appending a step is one row copy.  fairseq instead re-allocates the whole cache twice per
+step (``index_select`` in ``reorder_incremental_state`` and ``torch.cat`` in attention).
+Attention reads the prefix as a strided ``(n*heads, t, head_dim)`` view whose strides do
+not depend on the capacity; batched GEMM on it gives the same bits as on a contiguous copy.
+
+Memory: the layers of a decoder share one spare pair, handed from layer to layer by
+:meth:`KVCache.reorder` (the buffers a layer leaves are the next layer's spare), so L
+layers hold 2L + 2 buffers, not 4L.  The first capacity comes from the caller (the source
+length and a margin, see :func:`first_capacity`) and grows by 1.25x, instead of 64
+positions doubling: at beam 5, batch 64 a worker held ~250 MB of mostly unused cache at 20-token
+sentences (benchmarks/results/long_memory.md).
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+Spare = Optional[Tuple[Tensor, Tensor]]  # (k, v) buffers of any shape, reused by numel
+
+GROWTH = 1.25  # a growth copies the prefix once; every reorder copies it anyway
+MARGIN = 16  # positions past the source length a first buffer holds, and the least growth
+
+
+def first_capacity(src_len: Optional[int], max_steps: int) -> int:
+    """Positions to allocate for a batch: the source length plus a margin (translation
+    and rewriting output is usually near it), or 64 when there is no source."""
+    want = 64 if src_len is None else src_len + MARGIN
+    return max(1, min(max_steps, want))
+
+
+def _fit(buf: Tensor, shape) -> Optional[Tensor]:
+    """A contiguous view of ``buf``'s memory with ``shape``, if it is large enough."""
+    need = shape[0] * shape[1] * shape[2]
+    if buf.numel() < need or not buf.is_contiguous():
+        return None
+    return buf.view(-1)[:need].view(shape)
 
 
 class KVCache:
@@ -25,7 +51,6 @@ class KVCache:
         cap = min(max_steps, initial) if preallocate else 0
         self.k = torch.empty(cap, n, dim, device=device, dtype=dtype)
         self.v = torch.empty_like(self.k)
-        self._spare_k = self._spare_v = None
         self.t = 0
 
     def append(self, k: Tensor, v: Tensor, rep: int = 1) -> Tuple[Tensor, Tensor]:
@@ -49,30 +74,35 @@ class KVCache:
         self.t += 1
         return self.k[: self.t], self.v[: self.t]
 
-    def reorder(self, order: Tensor) -> None:
-        """Row i of the cache becomes old row order[i]; order: (n_new,) int64."""
+    def reorder(self, order: Tensor, spare: Spare = None) -> Spare:
+        """Row i of the cache becomes old row order[i]; order: (n_new,) int64.
+
+        spare: buffers to reorder into (any shape: their memory is reused when large
+        enough, else a new pair is made).  Returns the buffers this cache no longer uses,
+        the spare for the next layer's reorder."""
         t = self.t
         if not self.preallocate:
             self.k = self.k.index_select(1, order)
             self.v = self.v.index_select(1, order)
-            return
-        n_new = order.numel()
-        cap = self.k.size(0)
-        if self._spare_k is None or self._spare_k.shape[:2] != (cap, n_new):
-            self._spare_k = self.k.new_empty(cap, n_new, self.dim)
-            self._spare_v = self.v.new_empty(cap, n_new, self.dim)
-        torch.index_select(self.k[:t], 1, order, out=self._spare_k[:t])
-        torch.index_select(self.v[:t], 1, order, out=self._spare_v[:t])
-        self.k, self._spare_k = self._spare_k, self.k
-        self.v, self._spare_v = self._spare_v, self.v
+            return spare
+        shape = (self.k.size(0), order.numel(), self.dim)
+        k_out = _fit(spare[0], shape) if spare is not None else None
+        v_out = _fit(spare[1], shape) if spare is not None else None
+        if k_out is None or v_out is None:
+            k_out, v_out = self.k.new_empty(shape), self.v.new_empty(shape)
+        torch.index_select(self.k[:t], 1, order, out=k_out[:t])
+        torch.index_select(self.v[:t], 1, order, out=v_out[:t])
+        freed = (self.k, self.v)
+        self.k, self.v = k_out, v_out
+        return freed
 
     def _grow(self) -> None:
-        cap = min(self.max_steps, max(2 * self.k.size(0), 1))
-        if cap <= self.k.size(0):
-            cap = self.k.size(0) + 1  # past the length limit only in prefix/forced decoding
+        old_cap = self.k.size(0)
+        cap = min(self.max_steps, max(int(old_cap * GROWTH), old_cap + MARGIN))
+        if cap <= old_cap:
+            cap = old_cap + 1  # past the length limit only in prefix/forced decoding
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty(cap, old.size(1), self.dim)
             new[: self.t].copy_(old[: self.t])
             setattr(self, name, new)
-        self._spare_k = self._spare_v = None

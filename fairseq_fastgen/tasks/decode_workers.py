@@ -79,32 +79,6 @@ def threads_per_worker(workers: int, threads: int) -> int:
     return max(1, threads // workers)
 
 
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def keep_freed_memory() -> bool:
-    """In a worker process (ours alone): let glibc keep freed memory for reuse.
-
-    A decoder step allocates and frees the same few large tensors (logits, log-probs,
-    caches: megabytes each); by default glibc returns such blocks to the system and the
-    next step pays a page fault per 4 KiB page to get them back (see
-    benchmarks/results/NOTES.md, "Page faults of a decoding worker").  Blocks up to 32 MiB then come from the heap, which is not trimmed below
-    1 GiB of free space.  Returns False (nothing changed) without glibc.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
-    ok &= mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
-    ok &= mallopt(_M_TOP_PAD, 64 << 20) == 1
-    return bool(ok)
-
-
 def split_sample(sample: Dict[str, Any], parts: int) -> List[Dict[str, Any]]:
     """``sample`` cut into ``parts`` consecutive groups of sentences (fewer if it is small).
 

@@ -74,8 +74,6 @@ def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nic
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the run's handler, inherited by fork
     torch.set_num_threads(threads)
-    if job is not None:
-        decode_workers.keep_freed_memory()
     if nice:
         try:
             os.nice(nice)
