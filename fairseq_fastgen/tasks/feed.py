@@ -16,10 +16,11 @@ logger = logging.getLogger("fairseq_fastgen.generate")
 
 
 def decode_here(progress, pool, job, meters, use_cuda: bool,
-                log_fallbacks: bool = True) -> Tuple[int, bool]:
+                log_fallbacks: bool = True, continuous: bool = True) -> Tuple[int, bool]:
     """Decode every batch in this process, text in the pool: as one stream with
-    continuous batching where the engine serves the generator, else batch by batch."""
-    engine = job.continuous(log_fallbacks)
+    continuous batching where the engine serves the generator (and ``continuous``), else
+    batch by batch."""
+    engine = job.continuous(log_fallbacks) if continuous else None
     if engine is not None:
         return decode_stream(progress, pool, job, meters, use_cuda, engine)
     from fairseq import utils
@@ -41,9 +42,10 @@ def decode_here(progress, pool, job, meters, use_cuda: bool,
     return num_sentences, has_target
 
 
-def feed_decoders(progress, pool, meters, n_batches: int, n_workers: int) -> Tuple[int, bool]:
+def feed_decoders(progress, pool, meters, n_batches: int, n_workers: int,
+                  split_tail: bool = True) -> Tuple[int, bool]:
     """Send every batch to the decoding workers, the last ``n_workers`` cut into one part
-    per worker."""
+    per worker (with ``split_tail``)."""
     num_sentences = 0
     has_target = True
     gen_timer = meters.gen_timer
@@ -54,7 +56,7 @@ def feed_decoders(progress, pool, meters, n_batches: int, n_workers: int) -> Tup
             has_target = host_sample["target"] is not None
         if gen_timer.start_time is None:
             gen_timer.start()
-        parts = n_workers if i >= n_batches - n_workers else 1
+        parts = n_workers if split_tail and i >= n_batches - n_workers else 1
         for sub in decode_workers.split_sample(host_sample, parts):
             pool.submit_sample(sub)
         meters.log(progress)

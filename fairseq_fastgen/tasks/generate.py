@@ -34,9 +34,9 @@ from typing import Optional
 import torch
 
 from .. import run_config
-from . import decode_workers, feed, lifecycle, stock_main
+from . import decode_workers, feed, lifecycle, ranks as ranks_mod, stock_main
 from .meters import Meters
-from .pool import Fault, Pool, default_workers
+from .pool import Fault, Pool, cores, default_workers
 from .text import WorkerState, pack_batch
 from .writer import Writer
 
@@ -71,10 +71,10 @@ def pipelined_main(cfg, stock_generate=None):
     with run_config.run(run_config.resolve(cfg), generation=True) as fastgen:
         if isinstance(cfg, Namespace):
             cfg = convert_namespace_to_omegaconf(cfg)
-        return _checked_main(cfg, stock_generate, fastgen)
+        return _checked_main(cfg, stock_generate, fastgen, ranks_mod.from_env())
 
 
-def _checked_main(cfg, stock_generate, fastgen):
+def _checked_main(cfg, stock_generate, fastgen, ranks=None):
     assert cfg.common_eval.path is not None, "--path required for generation!"
     assert (
         not cfg.generation.sampling or cfg.generation.nbest == cfg.generation.beam
@@ -83,6 +83,10 @@ def _checked_main(cfg, stock_generate, fastgen):
         cfg.generation.replace_unk is None or cfg.dataset.dataset_impl == "raw"
     ), "--replace-unk requires a raw text dataset (--dataset-impl=raw)"
 
+    if ranks is not None and fallback_reason(cfg, fastgen) is None and not ranks.leader:
+        ranks_mod.quiet_logging()  # rank 0 writes the output, the log and the scores
+        with open(os.devnull, "w", encoding="utf-8") as h:
+            return _dispatch(cfg, h, stock_generate, fastgen, ranks)
     if cfg.common_eval.results_path is not None:
         os.makedirs(cfg.common_eval.results_path, exist_ok=True)
         output_path = os.path.join(
@@ -90,8 +94,8 @@ def _checked_main(cfg, stock_generate, fastgen):
             "generate-{}.txt".format(cfg.dataset.gen_subset),
         )
         with open(output_path, "w", buffering=1, encoding="utf-8") as h:
-            return _dispatch(cfg, h, stock_generate, fastgen)
-    return _dispatch(cfg, sys.stdout, stock_generate, fastgen)
+            return _dispatch(cfg, h, stock_generate, fastgen, ranks)
+    return _dispatch(cfg, sys.stdout, stock_generate, fastgen, ranks)
 
 
 def cli_main():
@@ -150,26 +154,38 @@ def _configure_logging(output_file):
     )
 
 
-def _dispatch(cfg, output_file, stock_generate, fastgen):
+def _dispatch(cfg, output_file, stock_generate, fastgen, ranks=None):
     _configure_logging(output_file)
     reason = fallback_reason(cfg, fastgen)
     if reason is not None:
-        if fastgen.log_fallbacks:
+        if ranks is not None:  # always said: the output is then N copies, as stock's
+            logger.warning("generate pipeline off (%s) under torchrun: every rank runs "
+                           "fairseq's generate loop on its own", reason)
+        elif fastgen.log_fallbacks:
             logger.info("generate pipeline off: %s; running fairseq's generate loop", reason)
         return stock_generate._main(cfg, output_file)
-    return run_pipeline(cfg, output_file, fastgen, fault=planted_fault_from_env())
+    return run_pipeline(cfg, output_file, fastgen, fault=planted_fault_from_env(), ranks=ranks)
 
 
 # ---- the pipelined run -------------------------------------------------------------
 
-def run_pipeline(cfg, output_file, fastgen, fault: Fault = None):
+def run_pipeline(cfg, output_file, fastgen, fault: Fault = None, ranks=None):
     """Stock's ``_main`` with its loop replaced by the pipeline; returns the scorer.
 
-    ``fault`` (tests only) runs in every worker before each batch."""
+    ``fault`` (tests only) runs in every worker before each batch; ``ranks``: torchrun's
+    (ranks.py), each decoding its share, rank 0 writing."""
     from fairseq.logging.meters import StopwatchMeter
 
     stock_main.prepare(cfg)
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
+    group = None
+    if ranks is not None:
+        group = ranks_mod.join(ranks, use_cuda)
+        ranks_mod.shard(cfg, ranks)
+        torch.set_num_threads(ranks_mod.threads_per_rank(ranks, cores(), fastgen.bitwise))
+        logger.info("torchrun: rank %d of %d; %d rank(s) on this machine of %d core(s): %d "
+                    "torch thread(s) each", ranks.rank, ranks.world, ranks.local_world,
+                    cores(), torch.get_num_threads())
     threads = torch.get_num_threads()
     n_decoders, why_not = decode_workers.planned_workers(cfg, fastgen, use_cuda)
     if n_decoders:
@@ -187,13 +203,14 @@ def run_pipeline(cfg, output_file, fastgen, fault: Fault = None):
     with lifecycle.StopOnSignals() as stop:
         writer = Writer(output_file, run.scorer, run.tgt_dict, cfg.common_eval.post_process,
                         critical=stop.deferred)
+        exchange = ranks_mod.Exchange(ranks, group, writer) if ranks is not None else None
         pool = None
         try:
-            pool = _make_pool(state, job, writer, meters, fastgen, n_decoders, why_not,
-                              threads, use_cuda, fault)
+            pool = _make_pool(state, job, exchange or writer, meters, fastgen, n_decoders,
+                              why_not, threads, use_cuda, fault)
             torch.set_num_threads(threads)
             num_sentences, has_target = _run_batches(cfg, run.epoch_itr, pool, job, meters,
-                                                     n_decoders, use_cuda)
+                                                     n_decoders, use_cuda, exchange, group)
         except BaseException as e:  # error, worker failure, a signal: end the workers now
             if pool is not None:
                 pool.close(abort=True)
@@ -201,6 +218,8 @@ def run_pipeline(cfg, output_file, fastgen, fault: Fault = None):
                 _log_stop(e, pool, output_file)
             raise
         pool.close()
+        if ranks is not None and not ranks.leader:
+            return run.scorer  # rank 0 has this rank's lines and scores
         stock_main.log_summary(cfg, num_sentences, meters.gen_timer, has_target, run.scorer,
                                output_file)
     return run.scorer
@@ -257,14 +276,20 @@ def _decoding_pool(state, job, writer, meters, n_decoders: int, threads: int,
     return pool
 
 
-def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: bool):
-    """Every batch of the epoch through the pool, every result written.
-    Returns (sentences, has_target)."""
+def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: bool,
+                 exchange=None, group=None):
+    """Every batch of the epoch (of this rank's share, with ``exchange``) through the pool,
+    every result written.  Returns (sentences, has_target), over all ranks on rank 0."""
     progress = stock_main.progress(cfg, epoch_itr)
+    share = None
+    if exchange is not None:  # one record per batch, in batch order: no tail split, no engine
+        share = progress = ranks_mod.Share(progress, pool, exchange, exchange.ranks)
     if n_decoders:
-        counts = feed.feed_decoders(progress, pool, meters, len(epoch_itr), n_decoders)
+        counts = feed.feed_decoders(progress, pool, meters, len(epoch_itr), n_decoders,
+                                    split_tail=share is None)
     else:
-        counts = feed.decode_here(progress, pool, job, meters, use_cuda)
+        counts = feed.decode_here(progress, pool, job, meters, use_cuda,
+                                  continuous=share is None)
     pool.finish()
     if n_decoders:
         gen_timer = meters.gen_timer
@@ -272,4 +297,11 @@ def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: b
         logger.info("decoding workers: %.1fs of decoding in %.1fs (%.0f%% of %d workers)",
                     meters.busy, gen_timer.sum,
                     100 * meters.busy / max(gen_timer.sum, 1e-9) / n_decoders, n_decoders)
+    if share is not None:
+        share.finish()
+        sentences, tokens, seconds, has_target = ranks_mod.totals(
+            exchange.ranks, group, counts[0], meters.gen_timer.n, meters.gen_timer.sum,
+            counts[1], exchange, share.batches)
+        meters.gen_timer.n, meters.gen_timer.sum = tokens, seconds
+        counts = (sentences, has_target)
     return counts

@@ -171,8 +171,10 @@ class Pool:
         self._collect(block=False)
         self._check_alive()
 
-    def finish(self) -> None:
-        while self.written < self.submitted:
+    def finish(self, upto: Optional[int] = None) -> None:
+        """Wait until every batch submitted (or the first ``upto``) is written."""
+        target = self.submitted if upto is None else min(upto, self.submitted)
+        while self.written < target:
             self._collect(block=True)
 
     def _collect(self, block: bool) -> None:
