@@ -165,6 +165,15 @@ class FastGenConfig:
             "decoding, greedy-exact); empty: drafts copied from the source",
         },
     )
+    resume_dir: str = field(
+        default="",
+        metadata={
+            "help": "fairseq-generate: keep finished batches in this directory as they are "
+            "written (atomic files), so that the same command started again after a kill "
+            "skips them and writes the whole output; another command against the same "
+            "directory is an error. Empty: off",
+        },
+    )
 
     def __post_init__(self):
         for f in fields(self):

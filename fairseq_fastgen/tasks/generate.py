@@ -161,6 +161,9 @@ def _dispatch(cfg, output_file, stock_generate, fastgen, ranks=None):
         if ranks is not None:  # always said: the output is then N copies, as stock's
             logger.warning("generate pipeline off (%s) under torchrun: every rank runs "
                            "fairseq's generate loop on its own", reason)
+        if fastgen.resume_dir:
+            logger.warning("generate pipeline off (%s): --fastgen-resume-dir is not used",
+                           reason)
         elif fastgen.log_fallbacks:
             logger.info("generate pipeline off: %s; running fairseq's generate loop", reason)
         return stock_generate._main(cfg, output_file)
@@ -203,7 +206,7 @@ def run_pipeline(cfg, output_file, fastgen, fault: Fault = None, ranks=None):
     with lifecycle.StopOnSignals() as stop:
         writer = Writer(output_file, run.scorer, run.tgt_dict, cfg.common_eval.post_process,
                         critical=stop.deferred)
-        exchange = ranks_mod.Exchange(ranks, group, writer) if ranks is not None else None
+        exchange = _exchange(cfg, fastgen, ranks, group, writer)
         pool = None
         try:
             pool = _make_pool(state, job, exchange or writer, meters, fastgen, n_decoders,
@@ -223,6 +226,21 @@ def run_pipeline(cfg, output_file, fastgen, fault: Fault = None, ranks=None):
         stock_main.log_summary(cfg, num_sentences, meters.gen_timer, has_target, run.scorer,
                                output_file)
     return run.scorer
+
+
+def _exchange(cfg, fastgen, ranks, group, writer):
+    """The rank exchange (ranks.py), also in one process for --fastgen-resume-dir; None
+    when neither is asked for."""
+    if ranks is None and not fastgen.resume_dir:
+        return None
+    ranks = ranks or ranks_mod.Ranks(0, 1, 0, 1)
+    resume = None
+    if fastgen.resume_dir and ranks.leader:
+        from . import resume as resume_mod
+
+        resume = resume_mod.ResumeDir(fastgen.resume_dir, resume_mod.fingerprint(
+            cfg, fastgen, ranks.world, ranks_mod.WINDOW))
+    return ranks_mod.Exchange(ranks, group, writer, resume)
 
 
 def _make_pool(state, job, writer, meters, fastgen, n_decoders: int, why_not, threads: int,
@@ -282,8 +300,11 @@ def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: b
     every result written.  Returns (sentences, has_target), over all ranks on rank 0."""
     progress = stock_main.progress(cfg, epoch_itr)
     share = None
+    replayed = (0, 0, 0, False)
     if exchange is not None:  # one record per batch, in batch order: no tail split, no engine
-        share = progress = ranks_mod.Share(progress, pool, exchange, exchange.ranks)
+        replayed = exchange.replay()
+        share = progress = ranks_mod.Share(progress, pool, exchange, exchange.ranks,
+                                           skip_windows=replayed[0])
     if n_decoders:
         counts = feed.feed_decoders(progress, pool, meters, len(epoch_itr), n_decoders,
                                     split_tail=share is None)
@@ -302,6 +323,7 @@ def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: b
         sentences, tokens, seconds, has_target = ranks_mod.totals(
             exchange.ranks, group, counts[0], meters.gen_timer.n, meters.gen_timer.sum,
             counts[1], exchange, share.batches)
-        meters.gen_timer.n, meters.gen_timer.sum = tokens, seconds
-        counts = (sentences, has_target)
+        # (a run whose every batch was replayed decoded for no time: not a division by 0)
+        meters.gen_timer.n, meters.gen_timer.sum = tokens + replayed[2], max(seconds, 1e-6)
+        counts = (sentences + replayed[1], has_target or replayed[3])
     return counts

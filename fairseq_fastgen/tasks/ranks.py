@@ -122,10 +122,12 @@ class Exchange:
     """Stands in for the :class:`Writer` on every rank: keeps this rank's written batches,
     hands them to rank 0 a window at a time, where ``writer`` writes them in order."""
 
-    def __init__(self, ranks: Ranks, group, writer=None):
+    def __init__(self, ranks: Ranks, group, writer=None, resume=None):
         self.ranks = ranks
         self.group = group
         self.writer = writer  # rank 0's Writer
+        self.resume = resume  # rank 0's resume.ResumeDir, or None
+        self.index = 0  # the next window's number
         self.records: List[tuple] = []  # (result, side) in local batch order, not yet sent
         self.waited = 0.0  # seconds in exchanges (waiting for the slowest rank)
         self.waited_end = 0.0  # of which in the last one
@@ -144,18 +146,49 @@ class Exchange:
         assert len(mine) == n, f"rank {self.ranks.rank}: {len(mine)} of {n} batches written"
         it = iter(mine)
         payload = [next(it) if has else None for has in has_record]
-        gathered = [None] * self.ranks.world if self.ranks.leader else None
         t0 = time.perf_counter()
-        dist.gather_object(payload, gathered, dst=0, group=self.group)
+        if self.ranks.world == 1:
+            gathered = [payload]
+        else:
+            gathered = [None] * self.ranks.world if self.ranks.leader else None
+            dist.gather_object(payload, gathered, dst=0, group=self.group)
         dt = time.perf_counter() - t0
         self.waited += dt
         if last:
             self.waited_end = dt
         if self.ranks.leader:
-            for j in range(max(len(p) for p in gathered)):
-                for part in gathered:  # global batch j * N + r
-                    if j < len(part) and part[j] is not None:
-                        self.writer.write(*part[j])
+            ordered = [part[j] for j in range(max(len(p) for p in gathered))
+                       for part in gathered  # global batch j * N + r
+                       if j < len(part) and part[j] is not None]
+            if self.resume is not None:
+                self.resume.save(self.index, ordered)  # durable before it is written
+            for rec in ordered:
+                self.writer.write(*rec)
+        self.index += 1
+
+    def replay(self):
+        """Resume: rank 0 writes the saved windows; every rank learns how many there are.
+        Returns (windows, sentences, tokens, has_target) of what was replayed."""
+        from . import resume as resume_mod
+
+        n, totals = 0, (0, 0, False)
+        if self.ranks.leader and self.resume is not None:
+            windows = self.resume.saved()
+            records = [rec for w in windows for rec in w]
+            for rec in records:
+                self.writer.write(*rec)
+            n, totals = len(windows), resume_mod.counts(records)
+            if n:
+                logger.info("resume: %d window(s) of %d batch(es) per rank already written "
+                            "(%d sentence(s)), decoding from window %d", n, WINDOW, totals[0], n)
+        if self.ranks.world > 1:
+            import torch.distributed as dist
+
+            box = [n]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            n = box[0]
+        self.index = n
+        return (n,) + tuple(totals)
 
 
 class Share:
@@ -163,8 +196,10 @@ class Share:
     exchanges with the other ranks: while window w is decoded, window w - 2 (written by
     then, almost always) goes to rank 0; :meth:`finish` sends the rest."""
 
-    def __init__(self, progress, pool, exchange: Exchange, ranks: Ranks, window: int = WINDOW):
+    def __init__(self, progress, pool, exchange: Exchange, ranks: Ranks, window: int = WINDOW,
+                 skip_windows: int = 0):
         self.progress = progress
+        self.skip = skip_windows * window  # local batches a resumed run does not decode
         self.pool = pool
         self.exchange = exchange
         self.ranks = ranks
@@ -178,6 +213,9 @@ class Share:
 
     def __iter__(self) -> Iterator:
         for j, sample in enumerate(self.progress):
+            j -= self.skip
+            if j < 0:
+                continue  # written by the run this one resumes
             if j == 0:
                 planted_fault(self.ranks)
             if j % self.window == 0:
@@ -208,6 +246,8 @@ def totals(ranks: Ranks, group, sentences: int, tokens: int, seconds: float,
 
     mine = (sentences, tokens, seconds, bool(has_target), batches, exchange.waited,
             exchange.waited_end)
+    if ranks.world == 1:
+        return sentences, tokens, seconds, has_target
     every = [None] * ranks.world if ranks.leader else None
     dist.gather_object(mine, every, dst=0, group=group)
     if not ranks.leader:
