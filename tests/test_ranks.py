@@ -39,9 +39,8 @@ def _lines(out: str, scores: bool = True):
     # 15 batches (the last one partial, kept): uneven shares, nbest, sacrebleu
     ["--beam", "5", "--nbest", "2", "--batch-size", "7", "--required-batch-size-multiple", "1",
      "--scoring", "sacrebleu"],
-    ["--beam", "4", "--batch-size", "3", "--required-batch-size-multiple", "1", "--quiet"],
     ["--beam", "5", "--batch-size", "16", "--fastgen-bitwise"],
-], ids=["nbest-sacrebleu-uneven", "quiet-many-batches", "bitwise"])
+], ids=["nbest-sacrebleu-uneven", "bitwise"])
 def test_two_ranks_write_what_one_process_writes(opts):
     b = bundled("es-en")
     one, two = _both(b.args + ["--gen-subset", "test1"] + opts)
@@ -71,6 +70,16 @@ def test_two_ranks_bitwise_and_results_path(tiny, tmp_path):
         outs.append((d / "generate-test.txt").read_text())
     assert _lines(outs[0]) and _lines(outs[0]) == _lines(outs[1])  # byte for byte
     assert outs[1].count("\nH-") == outs[0].count("\nH-")
+
+
+def test_two_ranks_quiet_score_over_every_sentence(tiny):
+    args = [str(tiny.data), "--path", str(tiny.postln), "--beam", "4", "--max-len-b", "20",
+            "--batch-size", "3", "--required-batch-size-multiple", "1", "--quiet"]
+    one, two = _both(args)
+    assert not _lines(two.stdout)
+    score = [l for l in one.stdout.splitlines() if l.startswith("Generate test")]
+    assert score and score == [l for l in two.stdout.splitlines() if l.startswith("Generate test")]
+    assert one.sentences == two.sentences == 40
 
 
 def test_a_failing_rank_ends_the_run_and_is_named(tiny):

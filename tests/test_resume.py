@@ -17,9 +17,12 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
             str(Path(sys.executable).parent / "fairseq-generate")]
 
 
-def _args(extra=()):
+def _args(extra=(), batch=2):
+    """100 verses in 100 / batch batches: a window (16 batches of each rank) is saved
+    when the window after next starts, so a run must have 3 windows or more per rank for
+    a kill to come before the end (batch 2 in one process, batch 1 on two ranks)."""
     b = bundled("es-en")
-    return b.args + ["--gen-subset", "test1", "--beam", "5", "--batch-size", "2",
+    return b.args + ["--gen-subset", "test1", "--beam", "5", "--batch-size", str(batch),
                      "--required-batch-size-multiple", "1", *extra]
 
 
@@ -48,7 +51,7 @@ def test_killed_run_resumes_to_the_uninterrupted_output(tmp_path, program):
     # byte for byte: one process in bitwise mode (one thread, so that the machine's load
     # cannot stall an OpenMP team); two ranks in lossless mode, one thread each either way
     threads = 1 if program is None else None
-    args = _args(["--fastgen-bitwise"] if program is None else [])
+    args = _args(["--fastgen-bitwise"]) if program is None else _args(batch=1)
     full = run_generate(args, plugin=True, program=program, threads=threads)
     assert full.returncode == 0, full.stderr[-3000:]
     d = tmp_path / "resume"
