@@ -92,6 +92,9 @@ class FastDecoder:
     def reorder(self, order: Tensor) -> None:
         """order: (n_new,) int64 row of the previous step each new hypothesis continues."""
         spare = self._spare
+        if spare is not None and self.self_kv and \
+                spare[0].numel() < self.self_kv[0].k[:, :1].numel() * order.numel():
+            spare = self._spare = None  # outgrown: freed before a new pair is made
         for cache in self.self_kv:  # each layer reorders into the buffers the last one left
             spare = cache.reorder(order, spare)
         self._spare = spare
