@@ -103,7 +103,7 @@ def test_window_files_are_whole_and_stale_temporaries_go(tmp_path):
     d.save(0, [(("text", []), (None, None, [], None, []))])
     d = resume.ResumeDir(str(tmp_path), fp)
     assert not list(tmp_path.glob("*.tmp-*"))
-    assert len(d.saved()) == 1
+    assert len(list(d.saved())) == 1
     with pytest.raises(resume.ResumeMismatch, match="generation.beam: 5 before, 4 now"):
         resume.ResumeDir(str(tmp_path), {"generation": {"beam": 4}})
 

@@ -303,8 +303,7 @@ def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: b
     replayed = (0, 0, 0, False)
     if exchange is not None:  # one record per batch, in batch order: no tail split, no engine
         replayed = exchange.replay()
-        share = progress = ranks_mod.Share(progress, pool, exchange, exchange.ranks,
-                                           skip_windows=replayed[0])
+        share = progress = ranks_mod.Share(progress, pool, exchange, skip_windows=replayed[0])
     if n_decoders:
         counts = feed.feed_decoders(progress, pool, meters, len(epoch_itr), n_decoders,
                                     split_tail=share is None)

@@ -173,11 +173,11 @@ class Exchange:
 
         n, totals = 0, (0, 0, False)
         if self.ranks.leader and self.resume is not None:
-            windows = self.resume.saved()
-            records = [rec for w in windows for rec in w]
-            for rec in records:
-                self.writer.write(*rec)
-            n, totals = len(windows), resume_mod.counts(records)
+            for window in self.resume.saved():
+                for rec in window:
+                    self.writer.write(*rec)
+                c = resume_mod.counts(window)
+                n, totals = n + 1, (totals[0] + c[0], totals[1] + c[1], totals[2] or c[2])
             if n:
                 logger.info("resume: %d window(s) of %d batch(es) per rank already written "
                             "(%d sentence(s)), decoding from window %d", n, WINDOW, totals[0], n)
@@ -196,13 +196,13 @@ class Share:
     exchanges with the other ranks: while window w is decoded, window w - 2 (written by
     then, almost always) goes to rank 0; :meth:`finish` sends the rest."""
 
-    def __init__(self, progress, pool, exchange: Exchange, ranks: Ranks, window: int = WINDOW,
+    def __init__(self, progress, pool, exchange: Exchange, window: int = WINDOW,
                  skip_windows: int = 0):
         self.progress = progress
         self.skip = skip_windows * window  # local batches a resumed run does not decode
         self.pool = pool
         self.exchange = exchange
-        self.ranks = ranks
+        self.ranks = exchange.ranks
         self.window = window
         self.windows: List[List[bool]] = []  # per window not yet flushed: has_record flags
         self.flushed = 0  # records of the windows flushed

@@ -17,10 +17,11 @@ a new run.  Only rank 0 reads and writes the directory (other machines need no s
 system).
 """
 import glob
+import itertools
 import json
 import os
 import pickle
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 RUN_FILE = "run.json"
 WINDOW_FILE = "window-{:06d}.pkl"
@@ -125,15 +126,15 @@ class ResumeDir:
         for stale in glob.glob(os.path.join(path, "*.tmp-*")):  # a killed write
             os.remove(stale)
 
-    def saved(self) -> List[List[Tuple[Any, Any]]]:
-        """The windows saved so far, from the first, up to the first one missing."""
-        out = []
-        while True:
-            p = os.path.join(self.path, WINDOW_FILE.format(len(out)))
+    def saved(self) -> Iterator[List[Tuple[Any, Any]]]:
+        """The windows saved so far, from the first, up to the first one missing; one at
+        a time (a long run's text is not held at once)."""
+        for i in itertools.count():
+            p = os.path.join(self.path, WINDOW_FILE.format(i))
             if not os.path.exists(p):
-                return out
+                return
             with open(p, "rb") as f:
-                out.append(pickle.load(f))
+                yield pickle.load(f)
 
     def save(self, index: int, records: List[Tuple[Any, Any]]) -> None:
         """records: (text, scorer inputs) of window ``index``, in output order."""
