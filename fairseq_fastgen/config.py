@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 NGRAM_BLOCKERS = ("auto", "torch", "cupy", "stock")
 AGGRESSIVE_MODES = ("off", "on", "auto")
 CONTINUOUS_MODES = ("auto", "on", "off")
+SAMPLING_SEEDS = ("auto", "stream", "batch")
 
 
 class FastGenConfigError(ValueError):
@@ -163,6 +164,25 @@ class FastGenConfig:
             "help": "path to a small fairseq checkpoint with the same target dictionary "
             "whose greedy output is the draft for aggressive decoding (speculative "
             "decoding, greedy-exact); empty: drafts copied from the source",
+        },
+    )
+    sampling: bool = field(
+        default=True,
+        metadata={
+            "help": "serve --sampling (top-k, top-p, temperature) on the fast decoder, "
+            "drawing with fairseq's own Sampling search in stock's batch layout, so the "
+            "same seed draws the same numbers; false: fairseq's loop"
+        },
+    )
+    sampling_seed: str = field(
+        default="auto",
+        metadata={
+            "help": "fairseq-generate --sampling's random numbers: stream (one stream "
+            "seeded once by --seed, batch after batch, as stock), batch (reseeded before "
+            "each batch from --seed and the batch's smallest sentence id, so the output does "
+            "not depend on the number of ranks, on decoding workers or on a resumed run), "
+            "or auto (batch under torchrun or with --fastgen-resume-dir, else stream)",
+            "choices": SAMPLING_SEEDS,
         },
     )
     resume_dir: str = field(

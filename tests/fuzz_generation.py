@@ -223,16 +223,21 @@ def build_pair(case: Case, task, models):
     return stock, built[1], fastgen
 
 
-def _decode_each(gen, models, batches, prefixes, seed):
-    """Per batch: its hypotheses, or the exception generate raised (the rest not run)."""
+def _decode_each(gen, models, batches, prefixes, seed, boundary=None):
+    """Per batch: its hypotheses, or the exception generate raised (the rest not run).
+    ``boundary`` (a list) gets each batch's sampling boundary draws (search/sampling.py)."""
     out = []
     for b, p in zip(batches, prefixes):
         torch.manual_seed(seed)
+        before = getattr(gen, "sampling_boundary_draws", 0)
         try:
             out.append(gen.generate(models, b, prefix_tokens=p))
         except Exception as e:  # noqa: BLE001 - the exception is what is compared
             out.append(e)
             break
+        finally:
+            if boundary is not None:
+                boundary.append(getattr(gen, "sampling_boundary_draws", 0) - before)
     return out
 
 
@@ -264,12 +269,13 @@ def check(case: Case, pool: Dict[str, Namespace]) -> Result:
     batches = make_batches(case, task, models)
     prefixes = [b["target"][:, : case.prefix_size] if case.prefix_size else None for b in batches]
     expected = _decode_each(stock, models, batches, prefixes, case.seed)
+    boundary: List[int] = []
     if fastgen.continuous == "on":
         got = _decode_stream(fast, task, models, batches, prefixes, case.seed)
     else:
-        got = _decode_each(fast, models, batches, prefixes, case.seed)
+        got = _decode_each(fast, models, batches, prefixes, case.seed, boundary)
     if not _compare_errors(expected, got, "generate", res):
-        _compare_runs(expected, got, batches, fastgen.bitwise, case, models, res)
+        _compare_runs(expected, got, batches, fastgen.bitwise, case, models, res, boundary)
     return res
 
 
@@ -288,11 +294,16 @@ def _compare_errors(expected, got, what: str, res: Result) -> bool:
     return True
 
 
-def _compare_runs(expected, got, batches, bitwise, case, models, res):
+def _compare_runs(expected, got, batches, bitwise, case, models, res, boundary=()):
     if len(got) != len(expected):
         res.problems.append(f"{len(expected)} batches decoded by stock, {len(got)} by the plugin")
         return
-    for b, s_out, f_out in zip(batches, expected, got):
+    for i, (b, s_out, f_out) in enumerate(zip(batches, expected, got)):
+        if i < len(boundary) and boundary[i] and not bitwise:
+            # lossless sampling: the plugin counted a draw within a rounding of a boundary;
+            # from there its batch may differ (reported, not a failure)
+            res.near_ties.append(f"batch {i}: {boundary[i]} sampling boundary draw(s)")
+            continue
         if len(s_out) != len(f_out):
             res.problems.append(f"{len(s_out)} sentences (stock), {len(f_out)} (plugin)")
         for j, (s_hyps, f_hyps) in enumerate(zip(s_out, f_out)):
@@ -342,7 +353,8 @@ def near_tie(case: Case, models, batch, j: int, hs, hf) -> Optional[str]:
     """The near-tie proof of two differing hypotheses (None: not a near-tie): both rescored
     with the stock models under the generator's objective (ensemble log-probabilities at the
     temperature, unk penalty, length-normalized), within 1e-4.  Only for beam search, whose
-    scores are that objective (sampling and diverse search run stock's loop on both sides)."""
+    scores are that objective (diverse search runs stock's loop on both sides; sampling's
+    differences are accepted only in a batch with a counted boundary draw)."""
     g = case.gen
     if g.get("sampling") or g.get("diverse_beam_groups", -1) > 0 or g.get("diversity_rate", -1) > -1:
         return None

@@ -75,11 +75,26 @@ def test_ensemble(tiny, mode):
     run_pair(task, models, cfg, mode, 8, dict(beam=5, max_len_b=30))
 
 
+@pytest.mark.parametrize("mode", [LOSSLESS, BITWISE], ids=["lossless", "bitwise"])
+@pytest.mark.parametrize("gen", [
+    dict(sampling=True, sampling_topk=10, beam=2, nbest=2, max_len_b=20),
+    dict(sampling=True, sampling_topp=0.8, beam=1, max_len_b=20, temperature=0.7),
+    dict(sampling=True, beam=3, nbest=3, max_len_b=20, bsz=1),
+], ids=["topk-beam2", "topp-temperature", "plain-beam3-batch1"])
+def test_sampling_on_the_fast_path(tiny, gen, mode, caplog):
+    """--sampling: the fast loop with stock's draws (search/sampling.py)."""
+    _forget_logged_fallbacks()
+    gen = dict(gen)
+    bsz = gen.pop("bsz", 8)
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    run_pair(task, models, cfg, mode, bsz, gen, limit=3)
+    assert "stock generator loop" not in caplog.text
+
+
 @pytest.mark.parametrize("gen,search", [
-    (dict(sampling=True, sampling_topk=10, beam=2, max_len_b=20), "Sampling"),
     (dict(diverse_beam_groups=2, beam=4, max_len_b=20), "DiverseBeamSearch"),
     (dict(diversity_rate=0.5, beam=4, max_len_b=20), "DiverseSiblingsSearch"),
-], ids=["sampling", "diverse-beam", "diverse-siblings"])
+], ids=["diverse-beam", "diverse-siblings"])
 def test_fallback_options_identical(tiny, gen, search, caplog):
     """Options the fast loop does not serve run fairseq's loop: output identical."""
     _forget_logged_fallbacks()

@@ -84,6 +84,25 @@ def test_lossless_mode_resumes_too(tmp_path):
         [l.split("\t")[0] for l in _lines(full.stdout)]
 
 
+def test_sampling_resumes_to_the_output_of_one_run(tmp_path):
+    """--sampling with a resume dir reseeds each batch (sampling_seed.py): the skipped
+    batches do not shift the draws of the others."""
+    args = _args(["--fastgen-bitwise"])
+    args[args.index("--beam") + 1] = "1"
+    args += ["--sampling", "--sampling-topk", "10", "--seed", "5"]
+    full = run_generate(args, plugin=True, plugin_args=["--fastgen-sampling-seed", "batch"],
+                        threads=1)
+    assert full.returncode == 0, full.stderr[-3000:]
+    d = tmp_path / "resume"
+    partial = _killed_run(args, d, threads=1)
+    assert partial.count("\nH-") < full.stdout.count("\nH-")
+    again = run_generate(args, plugin=True, plugin_args=["--fastgen-resume-dir", str(d)],
+                         threads=1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "reseeded before each batch" in again.stderr
+    assert _lines(again.stdout) == _lines(full.stdout)
+
+
 def test_another_command_against_the_directory_is_an_error(tmp_path):
     d = tmp_path / "resume"
     first = run_generate(_args(["--max-len-b", "5"]), plugin=True,

@@ -7,8 +7,11 @@ the step bookkeeping skips work nobody reads; stock's per-step masks come from
 :mod:`~fairseq_fastgen.search.step_rules`.  Greedy search (beam 1) with
 ``--fastgen-aggressive`` is served by the strategy the generator owns,
 :class:`~fairseq_fastgen.search.aggressive.AggressiveDecoding`, when it applies to the
-batch.  Anything the fast path does not cover
-(sampling, diverse/constrained search, LM fusion, non-transformer decoders, ...) runs
+batch.  ``--sampling`` runs the same loop with fairseq's own ``Sampling.step`` over
+stock's rows (a batch shrinks as stock's does), so a seed draws stock's numbers: bitwise
+mode gives stock's bytes, lossless mode stock's tokens unless a draw falls within a
+rounding of a boundary.  Anything the fast path does not cover
+(diverse/constrained search, LM fusion, non-transformer decoders, ...) runs
 fairseq's own loop, after one log line saying why.
 """
 import logging
@@ -28,6 +31,7 @@ from ..models.support import unsupported_reason
 from .aggressive import AggressiveDecoding, Tunables, unsupported as aggressive_unsupported
 from .candidates import beam_search_step
 from .ngram_blocker import build_blocker
+from .sampling import TOLERANCE, audited_step
 from .step_rules import StepAt, StepRules
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,9 @@ class FastSequenceGenerator(SequenceGenerator):
         self._fast_decoders: Optional[List[FastDecoder]] = None
         self._aggressive_tunables = aggressive_tunables
         self._aggressive: Optional[AggressiveDecoding] = None  # built at its first batch
+        # fairseq's own Sampling.step draws, over stock's rows: the same random stream
+        self._sampling = type(self.search) is search.Sampling
+        self.sampling_boundary_draws = 0  # lossless sampling: see search/sampling.py
         self._fallback_reason = self._static_fallback_reason()
 
     # ---- choosing the path --------------------------------------------------------
@@ -71,7 +78,10 @@ class FastSequenceGenerator(SequenceGenerator):
             return "fastgen disabled"
         if not cfg.fast_decoder:
             return "fast decoder switched off (--fastgen-no-fast-decoder)"
-        if type(self.search) is not search.BeamSearch:
+        if self._sampling:
+            if not cfg.sampling:
+                return "sampling on the fast path switched off (--fastgen-no-sampling)"
+        elif type(self.search) is not search.BeamSearch:
             return f"search strategy {type(self.search).__name__}"
         if self.lm_model is not None:
             return "LM fusion (--lm-path)"
@@ -109,8 +119,8 @@ class FastSequenceGenerator(SequenceGenerator):
     def _aggressive_for(self, sample, rules: StepRules) -> Optional[AggressiveDecoding]:
         """The aggressive decoding strategy if it serves this batch, else None (after one
         log line saying why)."""
-        reason = aggressive_unsupported(self.fastgen, self.model.models, self.need_attn, rules,
-                                        sample, self.tgt_dict)
+        reason = "sampling" if self._sampling else aggressive_unsupported(
+            self.fastgen, self.model.models, self.need_attn, rules, sample, self.tgt_dict)
         if reason is not None:
             if self.fastgen.log_fallbacks:
                 _log_once(f"fairseq-fastgen: aggressive decoding off ({reason}); regular greedy")
@@ -177,10 +187,19 @@ class FastSequenceGenerator(SequenceGenerator):
         bbsz_offsets = (torch.arange(0, bsz) * beam_size).unsqueeze(1).type_as(tokens).to(src_tokens.device)
         cand_offsets = torch.arange(0, cand_size).type_as(tokens).to(src_tokens.device)
 
-        # fairseq's BeamSearch.step in bitwise mode (exact tie order); else the same
-        # candidates without a top-k over every (hypothesis, word) pair
-        select = self.search.step if self.fastgen.bitwise else (
-            lambda step, lp, sc, *_: beam_search_step(step, lp, sc, beam_size))
+        # fairseq's BeamSearch.step / Sampling.step in bitwise mode (exact tie order,
+        # stock's draws); else the same candidates without a top-k over every
+        # (hypothesis, word) pair, or stock's draws with their boundary draws counted
+        near = [0]  # boundary draws of the batch (a device tensor once counted)
+        if self.fastgen.bitwise:
+            select = self.search.step
+        elif self._sampling:
+            def select(step, lp, sc, *_):
+                out = audited_step(self.search, step, lp, sc)
+                near[0] = out[3] + near[0]
+                return out[:3]
+        else:
+            select = lambda step, lp, sc, *_: beam_search_step(step, lp, sc, beam_size)  # noqa: E731
 
         reorder_state: Optional[Tensor] = None
         batch_idxs: Optional[Tensor] = None
@@ -289,11 +308,26 @@ class FastSequenceGenerator(SequenceGenerator):
                 attn[:, :, : step + 2] = torch.index_select(attn[:, :, : step + 2], dim=0, index=active_bbsz_idx)
             reorder_state = active_bbsz_idx
 
+        if self._sampling:
+            self._count_boundary_draws(int(near[0]), sample)
         for sent in range(len(finalized)):
             sent_scores = torch.tensor([float(elem["score"].item()) for elem in finalized[sent]])
             _, order = torch.sort(sent_scores, descending=True)
             finalized[sent] = [finalized[sent][ssi] for ssi in order]
         return finalized
+
+    def _count_boundary_draws(self, near: int, sample) -> None:
+        """Count a batch's draws that sat within a rounding of a boundary; logged when the
+        count reaches 1, 2, 4, 8, ... (a few lines however long the run)."""
+        before = self.sampling_boundary_draws
+        self.sampling_boundary_draws += near
+        if near and self.sampling_boundary_draws.bit_length() > before.bit_length():
+            first = sample["id"][0] if isinstance(sample.get("id"), Tensor) else 0
+            logger.warning(
+                "fairseq-fastgen: sampling: %d draw(s) so far within %g of a boundary (the "
+                "latest in the batch of sentence %d): lossless mode may draw otherwise than "
+                "stock there (and, with one random stream, after it); --fastgen-bitwise "
+                "draws exactly as stock", self.sampling_boundary_draws, TOLERANCE, int(first))
 
     def _replicate_eos_prefix(self, step: int, lprobs: Tensor, scores: Tensor, tokens: Tensor,
                               prefix_tokens: Tensor, beam_size: int):

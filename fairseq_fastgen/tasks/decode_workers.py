@@ -23,8 +23,9 @@ torch thread from before the models are loaded until the workers are forked (one
 never opens a parallel region), and workers start their own pools.
 
 Not used (the main process decodes, one log line says why) on a GPU, in bitwise mode
-(a worker's thread count changes how BLAS splits a GEMM, hence last bits), for sampling and
-``--retain-dropout`` (their random draws follow the batch order of one process), with
+(a worker's thread count changes how BLAS splits a GEMM, hence last bits), for sampling
+on stock's one random stream and ``--retain-dropout`` (their random draws follow the batch
+order of one process; sampling with a seed per batch, sampling_seed.py, is served), with
 fewer than two threads, or with fewer than two batches per worker.
 """
 import logging
@@ -34,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .records import BatchRecord, DecodeStats
+from .sampling_seed import seed_batch
 
 logger = logging.getLogger("fairseq_fastgen.generate")
 
@@ -41,11 +43,13 @@ MAX_AUTO_WORKERS = 8  # memory: each worker holds its own activations and caches
 MIN_BATCHES_PER_WORKER = 2  # fewer batches: one worker would decode at a fraction of the cores
 
 
-def planned_workers(cfg, fastgen, use_cuda: bool) -> Tuple[int, Optional[str]]:
+def planned_workers(cfg, fastgen, use_cuda: bool, batch_seeded: bool = False
+                    ) -> Tuple[int, Optional[str]]:
     """(decoding workers, None), or (0, why the main process decodes), before loading.
 
     ``fastgen.decode_workers``: 0 auto (one per torch thread, at most
-    ``MAX_AUTO_WORKERS``), 1 off, N >= 2 that many.
+    ``MAX_AUTO_WORKERS``), 1 off, N >= 2 that many.  ``batch_seeded``: sampling reseeds
+    each batch (sampling_seed.py), so a worker draws what one process draws.
     """
     n = fastgen.decode_workers
     if n == 1:
@@ -55,7 +59,7 @@ def planned_workers(cfg, fastgen, use_cuda: bool) -> Tuple[int, Optional[str]]:
     if fastgen.bitwise:
         # BLAS splits a GEMM's work by thread count: another count, other last bits
         return 0, "bitwise mode keeps the decoding thread count of stock"
-    if cfg.generation.sampling:
+    if cfg.generation.sampling and not batch_seeded:
         return 0, "sampling draws random numbers in the batch order of one process"
     if cfg.generation.retain_dropout:
         return 0, "--retain-dropout draws random numbers in the batch order of one process"
@@ -116,8 +120,10 @@ class DecodeJob:
     """
 
     def __init__(self, task, generator, models, prefix_size: int,
-                 pack: Callable[[Dict[str, Any], Any], BatchRecord]):
+                 pack: Callable[[Dict[str, Any], Any], BatchRecord],
+                 seed_base: Optional[int] = None):
         self.task = task
+        self.seed_base = seed_base  # sampling: reseed each batch (sampling_seed.py)
         self.generator = generator
         self.models = models
         self.prefix_size = prefix_size
@@ -150,6 +156,7 @@ class DecodeJob:
         if self.prefix_size > 0:
             prefix_tokens = sample["target"][:, : self.prefix_size]
         constraints = sample["constraints"] if "constraints" in sample else None
+        seed_batch(self.seed_base, host_sample or sample)
         t0 = time.perf_counter()
         hypos = self.task.inference_step(self.generator, self.models, sample,
                                          prefix_tokens=prefix_tokens, constraints=constraints)

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .. import run_config
-from . import decode_workers, feed, lifecycle, ranks as ranks_mod, stock_main
+from . import decode_workers, feed, lifecycle, ranks as ranks_mod, sampling_seed, stock_main
 from .meters import Meters
 from .pool import Fault, Pool, cores, default_workers
 from .text import WorkerState, pack_batch
@@ -190,7 +190,9 @@ def run_pipeline(cfg, output_file, fastgen, fault: Fault = None, ranks=None):
                     "torch thread(s) each", ranks.rank, ranks.world, ranks.local_world,
                     cores(), torch.get_num_threads())
     threads = torch.get_num_threads()
-    n_decoders, why_not = decode_workers.planned_workers(cfg, fastgen, use_cuda)
+    seed_base = sampling_seed.batch_seed_base(cfg, fastgen)
+    n_decoders, why_not = decode_workers.planned_workers(cfg, fastgen, use_cuda,
+                                                         batch_seeded=seed_base is not None)
     if n_decoders:
         torch.set_num_threads(1)  # until the workers are forked (see decode_workers)
     run = stock_main.load(cfg, use_cuda)
@@ -201,7 +203,8 @@ def run_pipeline(cfg, output_file, fastgen, fault: Fault = None, ranks=None):
     job = decode_workers.DecodeJob(
         run.task, run.generator, run.models, cfg.generation.prefix_size,
         pack=functools.partial(pack_batch, nbest=cfg.generation.nbest,
-                               quiet=cfg.common_eval.quiet, state=state))
+                               quiet=cfg.common_eval.quiet, state=state),
+        seed_base=seed_base)
     # From the first worker on, SIGTERM and SIGINT stop the run cleanly (lifecycle.py).
     with lifecycle.StopOnSignals() as stop:
         writer = Writer(output_file, run.scorer, run.tgt_dict, cfg.common_eval.post_process,
@@ -306,7 +309,7 @@ def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: b
         share = progress = ranks_mod.Share(progress, pool, exchange, skip_windows=replayed[0])
     if n_decoders:
         counts = feed.feed_decoders(progress, pool, meters, len(epoch_itr), n_decoders,
-                                    split_tail=share is None)
+                                    split_tail=share is None and job.seed_base is None)
     else:
         counts = feed.decode_here(progress, pool, job, meters, use_cuda,
                                   continuous=share is None)

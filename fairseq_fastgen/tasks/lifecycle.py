@@ -14,6 +14,7 @@
   :meth:`StopOnSignals.deferred`) and flushed, and the process exits with the status a shell
   shows for the signal: 143 (SIGTERM), 130 (SIGINT).  The previous handlers come back
   when the run ends.
+* A torchrun rank stops as on SIGTERM when its launcher is gone (:func:`watch_parent`).
 """
 import contextlib
 import ctypes
@@ -51,6 +52,27 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
     if orphaned(parent_pid):
         os._exit(1)
     return ok
+
+
+def watch_parent(sig: int = signal.SIGTERM, interval: float = 0.5) -> threading.Thread:
+    """In a process we did not start (a torchrun rank): send ourselves ``sig`` once the
+    parent is gone, so that the run stops as on that signal (whole lines, workers ended).
+
+    A thread that polls, not ``PR_SET_PDEATHSIG``: the kernel ties that to the parent
+    thread that started us, which in a launcher may end long before the launcher does.
+    torchrun starts each rank in a session of its own, so a killed launcher would
+    otherwise leave its ranks running."""
+    parent = os.getppid()
+
+    def watch():
+        while not orphaned(parent):
+            threading.Event().wait(interval)
+        logger.warning("the launcher (pid %d) is gone: stopping", parent)
+        os.kill(os.getpid(), sig)
+
+    t = threading.Thread(target=watch, name="fastgen-parent-watch", daemon=True)
+    t.start()
+    return t
 
 
 def orphaned(parent_pid: int) -> bool:

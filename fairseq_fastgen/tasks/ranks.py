@@ -75,6 +75,9 @@ def join(ranks: Ranks, use_cuda: bool):
     carries the text (gloo)."""
     import torch.distributed as dist
 
+    from .lifecycle import watch_parent
+
+    watch_parent()  # a killed torchrun leaves no rank behind
     if dist.is_initialized():  # fairseq's call_main did, on GPUs (NCCL)
         if dist.get_world_size() != ranks.world or dist.get_rank() != ranks.rank:
             raise RuntimeError("fairseq-fastgen: the process group does not match torchrun's "

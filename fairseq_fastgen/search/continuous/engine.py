@@ -40,6 +40,8 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
         return "bitwise mode keeps stock's batches and GEMM shapes"
     if generator._fallback_reason is not None:
         return generator._fallback_reason
+    if getattr(generator, "_sampling", False):
+        return "sampling draws stock's random numbers over stock's batches"
     if generator.need_attn:
         return "attention weights are kept (--print-alignment or --fastgen-attention)"
     if constraints:
