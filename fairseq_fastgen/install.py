@@ -57,6 +57,11 @@ replaced                                                   by
                                                            column (``input_check.py``);
                                                            patched when fairseq-interactive's
                                                            main first enters ``call_main``
+``fairseq_cli.interactive.main`` under torchrun            (not patched: ``call_main``
+                                                           runs ``tasks/interactive_ranks``
+                                                           in its place) each rank its
+                                                           share of the input's buffers,
+                                                           rank 0 writing in input order
 =========================================================  ===============================
 
 A run's config is resolved once where it enters (``run_config.resolve``) and read through
@@ -76,6 +81,7 @@ import sys
 
 from . import config as fg_config
 from . import drops, input_check, run_config
+from .tasks import interactive_ranks, ranks as ranks_mod
 
 logger = logging.getLogger("fairseq_fastgen")
 
@@ -188,13 +194,16 @@ def _wrap_call_main(original):
         # torch.multiprocessing.spawn starts has only the fresh default.
         generation = (getattr(main, "__module__", None),
                       getattr(main, "__qualname__", None)) in _GENERATION_MAINS
+        resolved = run_config.resolve(cfg)
         if generation:  # fairseq-interactive: its module is imported by now
             module = sys.modules.get(main.__module__)
             if hasattr(module, "buffered_read"):
                 _patch(module, "buffered_read", input_check.buffered_read)
+            ranks = ranks_mod.from_env()
+            if ranks is not None and resolved.enabled:  # torchrun: buffers shared out
+                main = functools.partial(interactive_ranks.main, stock=module, ranks=ranks)
             main = functools.partial(drops.run_counted, main, True)
-        scoped = functools.partial(run_config.run_main, main, run_config.resolve(cfg),
-                                   generation)
+        scoped = functools.partial(run_config.run_main, main, resolved, generation)
         return original(cfg, scoped, **kwargs)
 
     return call_main
