@@ -40,8 +40,15 @@ def _lines(out: str, scores: bool = True):
     ["--beam", "5", "--nbest", "2", "--batch-size", "7", "--required-batch-size-multiple", "1",
      "--scoring", "sacrebleu"],
     ["--beam", "5", "--batch-size", "16", "--fastgen-bitwise"],
-], ids=["nbest-sacrebleu-uneven", "bitwise"])
-def test_two_ranks_write_what_one_process_writes(opts):
+    # continuous batching: a batch held back by a long sentence delays its window
+    ["--beam", "4", "--batch-size", "6", "--required-batch-size-multiple", "1",
+     "--fastgen-continuous", "on", "--fastgen-decode-workers", "1"],
+], ids=["nbest-sacrebleu-uneven", "bitwise", "continuous"])
+def test_two_ranks_write_what_one_process_writes(opts, monkeypatch):
+    # bitwise ranks take one default process's thread count (every core), whatever
+    # torchrun sets OMP_NUM_THREADS to: so the single process gets its default too
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
     b = bundled("es-en")
     one, two = _both(b.args + ["--gen-subset", "test1"] + opts)
     if "--fastgen-bitwise" in opts:
@@ -55,6 +62,8 @@ def test_two_ranks_write_what_one_process_writes(opts):
     assert score and score == [l for l in two.stdout.splitlines() if l.startswith("Generate test1")]
     assert "torchrun: rank 0 of 2" in two.stderr + two.stdout
     assert "rank 1:" in two.stderr + two.stdout  # rank 0 reports each rank's share and waits
+    if "--fastgen-continuous" in opts:
+        assert "generate pipeline: continuous batching" in two.stderr
 
 
 def test_two_ranks_bitwise_and_results_path(tiny, tmp_path):

@@ -71,8 +71,10 @@ def test_killed_run_resumes_to_the_uninterrupted_output(tmp_path, program):
     assert done.returncode == 0 and _lines(done.stdout) == _lines(full.stdout)
 
 
-def test_lossless_mode_resumes_too(tmp_path):
-    args = _args()
+@pytest.mark.parametrize("extra", [[], ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]],
+                         ids=["decoding-workers", "continuous"])
+def test_lossless_mode_resumes_too(tmp_path, extra):
+    args = _args(extra)
     full = run_generate(args, plugin=True)
     d = tmp_path / "resume"
     _killed_run(args, d)

@@ -16,16 +16,11 @@ logger = logging.getLogger("fairseq_fastgen.generate")
 
 
 def decode_here(progress, pool, job, meters, use_cuda: bool,
-                log_fallbacks: bool = True, continuous: bool = True) -> Tuple[int, bool]:
+                log_fallbacks: bool = True) -> Tuple[int, bool]:
     """Decode every batch in this process, text in the pool: as one stream with
-    continuous batching where the engine serves the generator (and ``continuous``), else
-    batch by batch."""
+    continuous batching where the engine serves the generator, else batch by batch.
+    (Either way one record per batch, in batch order, as the rank exchange needs.)"""
     engine = job.continuous(log_fallbacks)
-    if engine is not None and not continuous:
-        # the rank exchange needs one written batch per batch, in batch order
-        logger.info("continuous batching off: not yet served under torchrun or with "
-                    "--fastgen-resume-dir; batches decoded one at a time")
-        engine = None
     if engine is not None:
         return decode_stream(progress, pool, job, meters, use_cuda, engine)
     from fairseq import utils

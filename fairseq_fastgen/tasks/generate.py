@@ -304,15 +304,14 @@ def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: b
     progress = stock_main.progress(cfg, epoch_itr)
     share = None
     replayed = (0, 0, 0, False)
-    if exchange is not None:  # one record per batch, in batch order: no tail split, no engine
+    if exchange is not None:  # one record per batch, in batch order: no tail split
         replayed = exchange.replay()
         share = progress = ranks_mod.Share(progress, pool, exchange, skip_windows=replayed[0])
     if n_decoders:
         counts = feed.feed_decoders(progress, pool, meters, len(epoch_itr), n_decoders,
                                     split_tail=share is None and job.seed_base is None)
     else:
-        counts = feed.decode_here(progress, pool, job, meters, use_cuda,
-                                  continuous=share is None)
+        counts = feed.decode_here(progress, pool, job, meters, use_cuda)
     pool.finish()
     if n_decoders:
         gen_timer = meters.gen_timer

@@ -197,7 +197,8 @@ class Exchange:
 class Share:
     """This rank's batches, in order (iterate it in place of the progress bar), and the
     exchanges with the other ranks: while window w is decoded, window w - 2 (written by
-    then, almost always) goes to rank 0; :meth:`finish` sends the rest."""
+    then, almost always; else at a later window) goes to rank 0; :meth:`finish` sends the
+    rest."""
 
     def __init__(self, progress, pool, exchange: Exchange, window: int = WINDOW,
                  skip_windows: int = 0):
@@ -222,7 +223,11 @@ class Share:
             if j == 0:
                 planted_fault(self.ranks)
             if j % self.window == 0:
-                if len(self.windows) >= 2:
+                # window w - 2 once each of its batches reached the pool; with continuous
+                # batching a long sentence can hold its batch back: the window then goes
+                # at a later boundary (every rank still flushes every window, in order)
+                while len(self.windows) >= 2 and (
+                        self.pool.submitted >= self.flushed + sum(self.windows[0])):
                     self._flush(self.windows.pop(0), last=False)
                 self.windows.append([])
             self.windows[-1].append("net_input" in sample)
