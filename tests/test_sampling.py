@@ -92,6 +92,9 @@ def test_boundary_draws_counted():
     assert int(audited_step(topk, 1, lp.clone(), zero)[3]) == 1
     lp[0, 0, 2] = -3.0
     assert int(audited_step(topk, 1, lp.clone(), zero)[3]) == 0
+    banned = torch.full((1, 1, len(d)), -float("inf"))
+    banned[0, 0, 0] = 0.0  # one word allowed, k = 2: the -inf ties are never drawn
+    assert int(audited_step(topk, 1, banned, zero)[3]) == 0
     # the draw: counted when the best two p/q ratios are within the tolerance (two words
     # of equal probability: the two exponentials decide)
     p = torch.tensor([[0.5, 0.5]] * 200)

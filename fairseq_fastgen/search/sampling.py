@@ -105,9 +105,10 @@ def _topk_near(lprobs: Tensor, k: int) -> Tensor:
     at_or_above = lprobs >= kth
     below = lprobs.masked_fill(at_or_above, -math.inf).max(-1, keepdim=True).values
     tie = at_or_above.sum(-1, keepdim=True) > k
-    # log-probabilities: an absolute gap is the relative gap of the probabilities
-    close = (kth - below <= TOLERANCE) & torch.isfinite(kth)
-    return (tie | close).sum()
+    # log-probabilities: an absolute gap is the relative gap of the probabilities; a -inf
+    # k-th word (fewer than k allowed) is never drawn, whichever ties with it
+    close = kth - below <= TOLERANCE
+    return ((tie | close) & torch.isfinite(kth)).sum()
 
 
 def _topp_near(trimmed: Tensor, p: float) -> Tensor:
