@@ -117,11 +117,12 @@ class FastGenConfig:
     decode_workers: int = field(
         default=0,
         metadata={
-            "help": "CPU fairseq-generate: decode batches side by side in this many forked "
-            "worker processes (torch threads shared out between them; each worker also "
-            "postprocesses its batches); 0: auto (one per torch thread, at most 8, at least "
-            "2 batches each); 1: decode in the main process. Not used on a GPU, for "
-            "sampling or --retain-dropout"
+            "help": "CPU fairseq-generate (and fairseq-interactive --input FILE): decode "
+            "batches (buffers) side by side in this many forked worker processes (torch "
+            "threads shared out between them; each worker also postprocesses its batches); "
+            "0: auto (one per torch thread, at most 8, at least 2 batches each); 1: decode "
+            "in the main process. Not used on a GPU, in bitwise mode, for sampling on one "
+            "random stream or --retain-dropout"
         },
     )
     continuous: str = field(

@@ -60,6 +60,22 @@ def _lines(text: str):
     return out
 
 
+def start_until(cmd, env, tmp_path: Path, hypotheses: int):
+    """Start ``cmd`` in a session of its own, output to files; return once ``hypotheses``
+    H- lines are written: (process, stdout path, stderr path)."""
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while out.read_text(errors="replace").count("\nH-") < hypotheses:
+        if p.poll() is not None or time.monotonic() > deadline:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            raise AssertionError(err.read_text()[-3000:])
+        time.sleep(0.05)
+    return p, out, err
+
+
 @pytest.fixture(scope="module")
 def reference():
     r = run_generate(ARGS, plugin=True)
@@ -72,14 +88,8 @@ def reference():
 def test_signal_to_torchrun_ends_every_rank(reference, tmp_path, signum):
     tag = uuid.uuid4().hex
     cmd, env = generate_command(ARGS, plugin=True, program=TORCHRUN, env={TAG: tag})
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
-    with open(out, "w") as fo, open(err, "w") as fe:
-        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, start_new_session=True)
+    p, out, err = start_until(cmd, env, tmp_path, 100)
     try:
-        deadline = time.monotonic() + 240
-        while out.read_text(errors="replace").count("\nH-") < 100:
-            assert p.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
-            time.sleep(0.05)
         ranks = [pid for pid in _tagged(tag) if pid != p.pid]
         assert len(ranks) >= 2, ranks
         p.send_signal(signum)

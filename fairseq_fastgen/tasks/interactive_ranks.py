@@ -8,7 +8,7 @@ Stock fairseq-interactive under torchrun translates the whole input on every ran
 copies of the output).  Here every rank reads the same file in the same buffers of
 ``--buffer-size`` lines (stock's reader, patched to name undecodable lines), so every rank
 knows each buffer's first sentence id; buffer i is translated by rank ``i mod N`` with
-stock's per-buffer code (:func:`_buffer_text`, the lines stock prints, ``W-`` times
+stock's per-buffer code (:func:`buffer_text`, the lines stock prints, ``W-`` times
 included).  Every :data:`WINDOW` rounds of N buffers the ranks hand their texts to rank 0
 (one ``gather_object``), which writes them in buffer order: memory holds at most a window
 of text, however long the file.  Lossless against one process (a rank decodes a buffer as
@@ -47,13 +47,14 @@ def main(cfg, stock, ranks: ranks_mod.Ranks) -> None:
     if isinstance(cfg, Namespace):
         cfg = convert_namespace_to_omegaconf(cfg)
     start_time = time.time()
-    _check(cfg)
+    check(cfg)
+    _refuse_under_torchrun(cfg)
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
     group = ranks_mod.join(ranks, use_cuda)
     torch.set_num_threads(ranks_mod.threads_per_rank(ranks, cores()))
     if not ranks.leader:
         ranks_mod.quiet_logging()
-    s = _setup(cfg, stock, use_cuda)
+    s = setup(cfg, stock, use_cuda)
     logger.info("torchrun: rank %d of %d, %d torch thread(s); buffer i translated by rank "
                 "i mod %d", ranks.rank, ranks.world, torch.get_num_threads(), ranks.world)
     logger.info("NOTE: hypothesis and token scores are output in base 2")
@@ -63,7 +64,7 @@ def main(cfg, stock, ranks: ranks_mod.Ranks) -> None:
     for n, inputs in enumerate(stock.buffered_read(cfg.interactive.input,
                                                    cfg.interactive.buffer_size), 1):
         if (n - 1) % ranks.world == ranks.rank:
-            text, seconds = _buffer_text(s, cfg, inputs, start_id)
+            text, seconds = buffer_text(s, cfg, inputs, start_id)
             mine.append(text)
             translate_time += seconds
         start_id += len(inputs)
@@ -75,8 +76,8 @@ def main(cfg, stock, ranks: ranks_mod.Ranks) -> None:
     _closing_lines(ranks, group, start_time, translate_time, n)
 
 
-def _check(cfg) -> None:
-    """stock's defaults and asserts, and what ranks need."""
+def check(cfg) -> None:
+    """stock's defaults and asserts."""
     if cfg.interactive.buffer_size < 1:
         cfg.interactive.buffer_size = 1
     if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
@@ -85,6 +86,9 @@ def _check(cfg) -> None:
         "--sampling requires --nbest to be equal to --beam"
     assert not cfg.dataset.batch_size or cfg.dataset.batch_size <= cfg.interactive.buffer_size, \
         "--batch-size cannot be larger than --buffer-size"
+
+
+def _refuse_under_torchrun(cfg) -> None:
     if cfg.interactive.input in ("-", "", None):
         raise InteractiveInputError(
             "under torchrun every rank reads the input: give it as --input FILE (standard "
@@ -95,7 +99,7 @@ def _check(cfg) -> None:
             "run fairseq-interactive --sampling in one process")
 
 
-def _setup(cfg, stock, use_cuda: bool) -> Namespace:
+def setup(cfg, stock, use_cuda: bool) -> Namespace:
     """stock main's setup: seeds, task, models, generator, tokenizer/BPE, limits."""
     import numpy as np
     from fairseq import checkpoint_utils, tasks, utils
@@ -144,7 +148,7 @@ def _setup(cfg, stock, use_cuda: bool) -> Namespace:
         strip=stock.get_symbols_to_strip_from_output(generator))
 
 
-def _buffer_text(s: Namespace, cfg, inputs: List[str], start_id: int) -> Tuple[str, float]:
+def buffer_text(s: Namespace, cfg, inputs: List[str], start_id: int) -> Tuple[str, float]:
     """What stock's loop prints for one buffer, and its translation time."""
     from fairseq import utils
     from fairseq.token_generation_constraints import unpack_constraints

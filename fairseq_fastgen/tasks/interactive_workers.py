@@ -1,0 +1,145 @@
+"""``fairseq-interactive --input FILE`` in one CPU process: buffers decoded side by side
+by forked decoding workers, written in input order.
+
+As in ``fairseq-generate`` (decode_workers.py), N workers of ``threads / N`` torch threads
+each use the cores better than one decoder of all of them.  Each worker reads the file in
+stock's buffers (so it knows every buffer's first sentence id) and translates buffers
+``i mod N == w`` with stock's per-buffer code (interactive_ranks.buffer_text); the main
+process writes buffer 0, 1, 2, ... taking each from its worker's queue.  A queue holds at
+most :data:`QUEUED` buffers, so a worker that runs ahead waits: memory stays flat however
+long the file.  Lossless against one process (a worker decodes a buffer as one process
+does, with its share of the cores).
+
+Not used (fairseq's loop, one log line) for standard input (lines are answered as they
+are typed), with ``--skip-invalid-size-inputs-valid-test`` (the closing line counts the
+skipped lines of one process), and where generate's decoding workers are not (GPU, bitwise mode, sampling on
+one random stream, one torch thread, ``--fastgen-decode-workers 1``).  Workers die with
+the main process (lifecycle.py); a worker that raises or dies stops the run with an error
+naming it; a line that is not UTF-8 stops it with stock's message, after the lines before
+it were written.
+"""
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import decode_workers, lifecycle
+from .interactive_ranks import buffer_text, check, setup
+from .pool import PipelineWorkerError
+
+logger = logging.getLogger("fairseq_cli.interactive")
+
+QUEUED = 4  # buffers of text a worker may hold ahead of the writer
+
+
+def plan(cfg, fastgen) -> Tuple[int, Optional[str]]:
+    """(decoding workers, None), or (0, why fairseq's loop runs)."""
+    if cfg.interactive.input in ("-", "", None):
+        return 0, "standard input: each line is answered as it comes"
+    if cfg.dataset.skip_invalid_size_inputs_valid_test:
+        return 0, "--skip-invalid-size-inputs-valid-test: the run's summary counts skipped lines in one process"
+    use_cuda = torch.cuda.is_available() and not cfg.common.cpu
+    return decode_workers.planned_workers(cfg, fastgen, use_cuda)
+
+
+def main(cfg, stock, workers: int) -> None:
+    """stock's ``fairseq_cli.interactive.main`` (``stock``: that module), decoded by
+    ``workers`` forked processes."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    if not hasattr(cfg, "interactive"):
+        cfg = convert_namespace_to_omegaconf(cfg)
+    start_time = time.time()
+    check(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP team before the fork (decode_workers.py)
+    s = setup(cfg, stock, use_cuda=False)
+    logger.info("NOTE: hypothesis and token scores are output in base 2")
+    per = max(1, threads // workers)
+    ctx = mp.get_context("fork")
+    queues = [ctx.Queue(maxsize=QUEUED) for _ in range(workers)]
+    procs = [ctx.Process(target=_work, name=f"fastgen-dec-{w}", daemon=True,
+                         args=(s, cfg, w, workers, queues[w], os.getpid(), per))
+             for w in range(workers)]
+    logger.info("fairseq-interactive: %d decoding worker(s) x %d torch thread(s); buffer i "
+                "translated by worker i mod %d", workers, per, workers)
+    with lifecycle.StopOnSignals():
+        for p in procs:
+            p.start()
+        try:
+            seconds = _write_in_order(queues, procs)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+    torch.set_num_threads(threads)
+    logger.info("Total time: {:.3f} seconds; translation time: {:.3f}".format(
+        time.time() - start_time, seconds))
+
+
+def _work(s, cfg, w: int, n: int, out, parent_pid: int, threads: int) -> None:
+    lifecycle.die_with_parent(parent_pid)
+    lifecycle.set_process_name(mp.current_process().name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    torch.set_num_threads(threads)
+    i = start_id = 0  # i: the buffer being read (at the end: how many there were)
+    try:
+        for inputs in s.stock.buffered_read(cfg.interactive.input, cfg.interactive.buffer_size):
+            if i % n == w:
+                out.put(("text", i) + buffer_text(s, cfg, inputs, start_id))
+            start_id += len(inputs)
+            i += 1
+        out.put(("end", i, None, 0.0))
+    except SystemExit as e:  # stock's usage-style errors (an undecodable line)
+        out.put(("exit", i, str(e.code), 0.0))
+    except BaseException:  # noqa: BLE001 - reported by the main process
+        out.put(("error", i, traceback.format_exc(), 0.0))
+    out.close()
+    out.join_thread()
+
+
+def _write_in_order(queues, procs: List) -> float:
+    """Buffer 0, 1, 2, ... from worker i mod N's queue, to stdout; the workers' summed
+    translation time."""
+    total = 0.0
+    i = 0
+    while True:
+        w = i % len(queues)
+        kind, at, payload, seconds = _next(queues[w], procs[w])
+        if kind == "end":
+            return total
+        if kind == "exit":
+            raise SystemExit(payload)
+        if kind == "error":
+            raise PipelineWorkerError(
+                f"fairseq-fastgen interactive: decoding worker {procs[w].name} raised at "
+                f"buffer {at}:\n{payload}")
+        assert at == i, (at, i)
+        sys.stdout.write(payload)
+        sys.stdout.flush()
+        total += seconds
+        i += 1
+
+
+def _next(q, proc):
+    """The next message of ``proc``; an error as soon as it is dead without one."""
+    while True:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            if not proc.is_alive():
+                code = proc.exitcode
+                how = (f"was killed by {signal.Signals(-code).name}" if code and code < 0
+                       else f"exited with status {code}")
+                raise PipelineWorkerError(
+                    f"fairseq-fastgen interactive: decoding worker {proc.name} (pid "
+                    f"{proc.pid}) {how} (exit code {code})") from None
