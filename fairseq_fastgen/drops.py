@@ -130,6 +130,30 @@ def describe(ids: Sequence[int], lines: bool) -> str:
     return f"ids {shown(list(ids))}"
 
 
+def share() -> tuple:
+    """What the run in progress skipped, to hand to the process that writes the summary
+    (a torchrun rank, an interactive decoding worker); the local tally is then emptied."""
+    tally = _tally.get()
+    if tally is None:
+        return (0, [], None)
+    out = (tally.seen, list(tally.skipped), tally.max_positions)
+    tally.seen, tally.skipped = 0, []
+    return out
+
+
+def merge(shares) -> None:
+    """Fold other processes' :func:`share` results into the run in progress."""
+    tally = _tally.get()
+    if tally is None:
+        return
+    for seen, skipped, max_positions in shares:
+        tally.seen += seen
+        tally.skipped.extend(skipped)
+        if max_positions is not None:
+            tally.max_positions = max_positions
+    tally.skipped.sort()
+
+
 def summary(tally: Tally) -> Optional[str]:
     """The run's closing line, or None when nothing was skipped."""
     if not tally.skipped:

@@ -5,7 +5,8 @@ import logging
 import pytest
 
 from fairseq_fastgen import drops
-from fairseq_fastgen.compare import side_by_side
+from fairseq_fastgen.compare import run_generate, side_by_side
+from test_interactive_ranks import TORCHRUN
 
 MAX_SRC = 10  # tokens, eos included: the tiny test set's longer sentences are skipped
 
@@ -85,6 +86,16 @@ def test_interactive_names_input_lines(tiny, tmp_path):
     assert err.rstrip().endswith(summary), err[-1500:]  # the run's last line
     detail = [l for l in err.splitlines() if "inputs are longer" in l or "inputs is longer" in l]
     assert len(detail) == len({i // 3 for i in skipped})  # one line per buffer with a drop
+    # decoding workers (2 threads) and 2 torchrun ranks: the same lines, one summary of all
+    for name, program in (("workers", None), ("ranks", TORCHRUN)):
+        r = run_generate(args, plugin=True, entry="fairseq-interactive", threads=2,
+                         program=program)
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        if program is None:
+            assert "2 decoding worker(s)" in r.stderr
+        got = sorted(int(l.split("\t")[0][2:]) for l in r.stdout.splitlines() if l.startswith("S-"))
+        assert got == shown, name
+        assert r.stderr.rstrip().endswith(summary), (name, r.stderr[-1500:])
 
 
 def test_hub_names_the_dropped_input(tiny, caplog):

@@ -324,6 +324,8 @@ def _run_batches(cfg, epoch_itr, pool, job, meters, n_decoders: int, use_cuda: b
         sentences, tokens, seconds, has_target = ranks_mod.totals(
             exchange.ranks, group, counts[0], meters.gen_timer.n, meters.gen_timer.sum,
             counts[1], exchange, share.batches)
+        if exchange.ranks.world > 1:
+            ranks_mod.leave(group)
         # (a run whose every batch was replayed decoded for no time: not a division by 0)
         meters.gen_timer.n, meters.gen_timer.sum = tokens + replayed[2], max(seconds, 1e-6)
         counts = (sentences + replayed[1], has_target or replayed[3])

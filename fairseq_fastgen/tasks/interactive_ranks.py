@@ -74,6 +74,7 @@ def main(cfg, stock, ranks: ranks_mod.Ranks) -> None:
         mine.append(None)  # the last round had no buffer for this rank
     _exchange(mine, ranks, group)
     _closing_lines(ranks, group, start_time, translate_time, n)
+    ranks_mod.leave(group)
 
 
 def check(cfg) -> None:
@@ -222,9 +223,13 @@ def _exchange(mine: List[Optional[str]], ranks: ranks_mod.Ranks, group) -> List[
 def _closing_lines(ranks, group, start_time: float, translate_time: float, buffers: int) -> None:
     import torch.distributed as dist
 
-    times = [None] * ranks.world if ranks.leader else None
-    dist.gather_object(translate_time, times, dst=0, group=group)
+    from .. import drops
+
+    every = [None] * ranks.world if ranks.leader else None
+    dist.gather_object((translate_time, drops.share()), every, dst=0, group=group)
     if ranks.leader:
+        times = [t for t, _ in every]
+        drops.merge(d for _, d in every)  # the skipped lines of every rank in one summary
         for r, t in enumerate(times):
             logger.info("rank %d: %d buffer(s), %.3fs translating", r,
                         len(range(r, buffers, ranks.world)), t)

@@ -11,12 +11,12 @@ long the file.  Lossless against one process (a worker decodes a buffer as one p
 does, with its share of the cores).
 
 Not used (fairseq's loop, one log line) for standard input (lines are answered as they
-are typed), with ``--skip-invalid-size-inputs-valid-test`` (the closing line counts the
-skipped lines of one process), and where generate's decoding workers are not (GPU, bitwise mode, sampling on
+are typed), and where generate's decoding workers are not (GPU, bitwise mode, sampling on
 one random stream, one torch thread, ``--fastgen-decode-workers 1``).  Workers die with
 the main process (lifecycle.py); a worker that raises or dies stops the run with an error
 naming it; a line that is not UTF-8 stops it with stock's message, after the lines before
-it were written.
+it were written.  The inputs a worker skips as too long (drops.py) go into the main
+process's closing summary with its end message.
 """
 import logging
 import multiprocessing as mp
@@ -30,6 +30,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .. import drops
 from . import decode_workers, lifecycle
 from .interactive_ranks import buffer_text, check, setup
 from .pool import PipelineWorkerError
@@ -43,8 +44,6 @@ def plan(cfg, fastgen) -> Tuple[int, Optional[str]]:
     """(decoding workers, None), or (0, why fairseq's loop runs)."""
     if cfg.interactive.input in ("-", "", None):
         return 0, "standard input: each line is answered as it comes"
-    if cfg.dataset.skip_invalid_size_inputs_valid_test:
-        return 0, "--skip-invalid-size-inputs-valid-test: the run's summary counts skipped lines in one process"
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
     return decode_workers.planned_workers(cfg, fastgen, use_cuda)
 
@@ -98,7 +97,7 @@ def _work(s, cfg, w: int, n: int, out, parent_pid: int, threads: int) -> None:
                 out.put(("text", i) + buffer_text(s, cfg, inputs, start_id))
             start_id += len(inputs)
             i += 1
-        out.put(("end", i, None, 0.0))
+        out.put(("end", i, drops.share(), 0.0))
     except SystemExit as e:  # stock's usage-style errors (an undecodable line)
         out.put(("exit", i, str(e.code), 0.0))
     except BaseException:  # noqa: BLE001 - reported by the main process
@@ -114,20 +113,28 @@ def _write_in_order(queues, procs: List) -> float:
     i = 0
     while True:
         w = i % len(queues)
-        kind, at, payload, seconds = _next(queues[w], procs[w])
-        if kind == "end":
+        kind, at, payload, seconds = _checked(_next(queues[w], procs[w]), procs[w])
+        if kind == "end":  # every worker's next message is its end: their skipped lines
+            shares = [payload] + [_checked(_next(q, p), p)[2]
+                                  for q, p in zip(queues, procs) if q is not queues[w]]
+            drops.merge(shares)
             return total
-        if kind == "exit":
-            raise SystemExit(payload)
-        if kind == "error":
-            raise PipelineWorkerError(
-                f"fairseq-fastgen interactive: decoding worker {procs[w].name} raised at "
-                f"buffer {at}:\n{payload}")
         assert at == i, (at, i)
         sys.stdout.write(payload)
         sys.stdout.flush()
         total += seconds
         i += 1
+
+
+def _checked(msg, proc):
+    """``msg`` unless it reports a worker's error (raised here)."""
+    kind, at, payload, _ = msg
+    if kind == "exit":
+        raise SystemExit(payload)
+    if kind == "error":
+        raise PipelineWorkerError(f"fairseq-fastgen interactive: decoding worker {proc.name} "
+                                  f"raised at buffer {at}:\n{payload}")
+    return msg
 
 
 def _next(q, proc):

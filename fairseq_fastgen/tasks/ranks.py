@@ -91,6 +91,17 @@ def join(ranks: Ranks, use_cuda: bool):
     return None  # the default group: gloo for CPU tensors
 
 
+def leave(group) -> None:
+    """The run's last collective: every rank waits for the others, then closes its
+    connections (a rank that exits while another still talks to it can make gloo abort
+    that one at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier(group=group)
+        dist.destroy_process_group()
+
+
 def threads_per_rank(ranks: Ranks, cores: int, bitwise: bool = False) -> int:
     """``cores // L`` for L ranks on the machine; in bitwise mode the thread count of one
     process (BLAS splits a GEMM by thread count, and with it the last bits)."""
