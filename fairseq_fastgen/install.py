@@ -85,7 +85,7 @@ import sys
 
 from . import config as fg_config
 from . import drops, input_check, run_config
-from .tasks import interactive_ranks, interactive_workers, ranks as ranks_mod
+from .tasks import interactive_workers
 
 logger = logging.getLogger("fairseq_fastgen")
 
@@ -203,28 +203,12 @@ def _wrap_call_main(original):
             module = sys.modules.get(main.__module__)
             if hasattr(module, "buffered_read"):
                 _patch(module, "buffered_read", input_check.buffered_read)
-            main = _interactive_main(main, module, cfg, resolved)
+            main = interactive_workers.choose_main(main, module, cfg, resolved)
             main = functools.partial(drops.run_counted, main, True)
         scoped = functools.partial(run_config.run_main, main, resolved, generation)
         return original(cfg, scoped, **kwargs)
 
     return call_main
-
-
-def _interactive_main(main, module, cfg, fastgen):
-    """fairseq-interactive's loop: over torchrun's ranks, in decoding workers, or stock's."""
-    if not fastgen.enabled:
-        return main
-    ranks = ranks_mod.from_env()
-    if ranks is not None:  # torchrun: the buffers shared out between the ranks
-        return functools.partial(interactive_ranks.main, stock=module, ranks=ranks)
-    workers, why_not = interactive_workers.plan(cfg, fastgen)
-    if workers:
-        return functools.partial(interactive_workers.main, stock=module, workers=workers)
-    if fastgen.log_fallbacks and fastgen.decode_workers != 1:
-        logger.info(
-            "fairseq-interactive: fairseq's loop, decoding in the main process (%s)", why_not)
-    return main
 
 
 def _wrap_hub_generate(original):

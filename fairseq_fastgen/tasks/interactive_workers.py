@@ -18,6 +18,7 @@ naming it; a line that is not UTF-8 stops it with stock's message, after the lin
 it were written.  The inputs a worker skips as too long (drops.py) go into the main
 process's closing summary with its end message.
 """
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -26,18 +27,36 @@ import signal
 import sys
 import time
 import traceback
+from argparse import Namespace
 from typing import List, Optional, Tuple
 
 import torch
 
 from .. import drops
-from . import decode_workers, lifecycle
+from . import decode_workers, interactive_ranks, lifecycle, ranks as ranks_mod
 from .interactive_ranks import buffer_text, check, setup
 from .pool import PipelineWorkerError
 
 logger = logging.getLogger("fairseq_cli.interactive")
 
 QUEUED = 4  # buffers of text a worker may hold ahead of the writer
+
+
+def choose_main(main, stock, cfg, fastgen):
+    """fairseq-interactive's loop (``main``, of module ``stock``): over torchrun's ranks,
+    in decoding workers, or stock's own."""
+    if not fastgen.enabled:
+        return main
+    ranks = ranks_mod.from_env()
+    if ranks is not None:  # torchrun: the buffers shared out between the ranks
+        return functools.partial(interactive_ranks.main, stock=stock, ranks=ranks)
+    workers, why_not = plan(cfg, fastgen)
+    if workers:
+        return functools.partial(run, stock=stock, workers=workers)
+    if fastgen.log_fallbacks and fastgen.decode_workers != 1:
+        logging.getLogger("fairseq_fastgen").info(
+            "fairseq-interactive: fairseq's loop, decoding in the main process (%s)", why_not)
+    return main
 
 
 def plan(cfg, fastgen) -> Tuple[int, Optional[str]]:
@@ -48,12 +67,12 @@ def plan(cfg, fastgen) -> Tuple[int, Optional[str]]:
     return decode_workers.planned_workers(cfg, fastgen, use_cuda)
 
 
-def main(cfg, stock, workers: int) -> None:
+def run(cfg, stock, workers: int) -> None:
     """stock's ``fairseq_cli.interactive.main`` (``stock``: that module), decoded by
     ``workers`` forked processes."""
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    if not hasattr(cfg, "interactive"):
+    if isinstance(cfg, Namespace):
         cfg = convert_namespace_to_omegaconf(cfg)
     start_time = time.time()
     check(cfg)

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Optional
 
 logger = logging.getLogger("fairseq_fastgen.generate")
@@ -66,7 +67,7 @@ def watch_parent(sig: int = signal.SIGTERM, interval: float = 0.5) -> threading.
 
     def watch():
         while not orphaned(parent):
-            threading.Event().wait(interval)
+            time.sleep(interval)
         logger.warning("the launcher (pid %d) is gone: stopping", parent)
         os.kill(os.getpid(), sig)
 
