@@ -4,7 +4,7 @@ by forked decoding workers, written in input order.
 As in ``fairseq-generate`` (decode_workers.py), N workers of ``threads / N`` torch threads
 each use the cores better than one decoder of all of them.  Each worker reads the file in
 stock's buffers (so it knows every buffer's first sentence id) and translates buffers
-``i mod N == w`` with stock's per-buffer code (interactive_ranks.buffer_text); the main
+``i mod N == w`` with stock's per-buffer code (interactive_buffers.buffer_text); the main
 process writes buffer 0, 1, 2, ... taking each from its worker's queue.  A queue holds at
 most :data:`QUEUED` buffers, so a worker that runs ahead waits: memory stays flat however
 long the file.  Lossless against one process (a worker decodes a buffer as one process
@@ -33,8 +33,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import drops
-from . import decode_workers, interactive_ranks, lifecycle, ranks as ranks_mod
-from .interactive_ranks import buffer_text, check, setup
+from . import decode_workers, interactive_buffers, interactive_ranks, lifecycle, ranks as ranks_mod
+from .interactive_buffers import buffer_text, check, setup
 from .pool import PipelineWorkerError
 
 logger = logging.getLogger("fairseq_cli.interactive")
@@ -53,6 +53,9 @@ def choose_main(main, stock, cfg, fastgen):
     workers, why_not = plan(cfg, fastgen)
     if workers:
         return functools.partial(run, stock=stock, workers=workers)
+    if cfg.interactive.input not in ("-", "", None) and interactive_buffers.wants_engine(
+            cfg, fastgen):
+        return functools.partial(interactive_buffers.one_process, stock=stock)
     if fastgen.log_fallbacks and fastgen.decode_workers != 1:
         logging.getLogger("fairseq_fastgen").info(
             "fairseq-interactive: fairseq's loop, decoding in the main process (%s)", why_not)
