@@ -3,8 +3,10 @@
 fairseq replicates the encoder output ``beam`` times, projects keys/values for every
 hypothesis, and re-gathers them with ``index_select`` at every step although all
 hypotheses of a sentence attend to the same source.  Here keys/values are projected once
-per sentence (bit-identical to projecting each replica) and never reordered; only a batch
-shrink (finished sentences) selects rows.
+per sentence and never reordered; only a batch shrink (finished sentences) selects rows.
+Projecting once per sentence is exact with one thread; with several, a GEMM over fewer
+rows may be split and rounded otherwise, so bitwise mode projects the replicas as fairseq
+does.
 
 Two ways to attend:
 
@@ -43,28 +45,29 @@ class CrossAttentionCache:
         self.einsum = bitwise and getattr(attn, "beam_size", 1) > 1
         self.per_sentence = self.merged or self.einsum
         s, bsz, _ = enc.shape
-        k, v = self._project(enc, beam, bitwise and not self.per_sentence)  # (S, bsz, C)
-        # (bsz*H, S, hd), as fairseq stores prev_key
-        self.k = k.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
-        self.v = v.contiguous().view(s, bsz * self.heads, self.head_dim).transpose(0, 1).contiguous()
         self.pad = pad_mask.bool() if pad_mask is not None and pad_mask.any() else None
         if not self.per_sentence:
-            # one copy per hypothesis: fairseq's layout, built once instead of every step
+            # one copy per hypothesis, fairseq's layout, built once instead of every step.
+            # Projected from the replicated encoder output as fairseq projects it: with
+            # several threads a GEMM of bsz*S rows need not round as one of bsz*beam*S
             rep = torch.arange(bsz, device=enc.device).repeat_interleave(beam)
+            if bitwise:
+                k, v = self._project(enc.index_select(1, rep))  # (S, n, C)
+                self.pad = self.pad.index_select(0, rep) if self.pad is not None else None
+                self.k, self.v = (self._heads(t, s, bsz * beam) for t in (k, v))
+                return
+        k, v = self._project(enc)  # (S, bsz, C): once per sentence
+        self.k, self.v = (self._heads(t, s, bsz) for t in (k, v))
+        if not self.per_sentence:
             self.k, self.v, self.pad = self._rows(rep, beam)
 
-    def _project(self, enc: Tensor, beam: int, bitwise: bool) -> Tuple[Tensor, Tensor]:
-        """Keys and values (S, bsz, C) of enc (S, bsz, C_enc), projected once per sentence.
+    def _heads(self, t: Tensor, s: int, rows: int) -> Tensor:
+        """(S, rows, C) -> (rows*H, S, hd) contiguous, as fairseq stores prev_key."""
+        return t.contiguous().view(s, rows * self.heads, self.head_dim).transpose(0, 1).contiguous()
 
-        A one-row projection (S*bsz == 1: one sentence of one token) is a matrix-vector
-        product for BLAS, whose last bits differ from the ``beam``-row GEMM fairseq runs
-        over the replicated encoder output; in bitwise mode that case projects the beam's
-        replicas, as fairseq does, and keeps the first (found by the fuzzer)."""
-        a = self.attn
-        if bitwise and beam > 1 and enc.size(0) * enc.size(1) == 1:
-            rep = enc.expand(1, beam, enc.size(2)).contiguous()
-            return a.k_proj(rep)[:, :1], a.v_proj(rep)[:, :1]
-        return a.k_proj(enc), a.v_proj(enc)
+    def _project(self, enc: Tensor) -> Tuple[Tensor, Tensor]:
+        """Keys and values (S, rows, C) of enc (S, rows, C_enc)."""
+        return self.attn.k_proj(enc), self.attn.v_proj(enc)
 
     def _rows(self, sent_rows: Tensor, per_sent: int):
         """Select sentences (bsz_new,) from (bsz*H, S, hd) caches."""
