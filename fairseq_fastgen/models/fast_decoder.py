@@ -44,8 +44,9 @@ class FastDecoder:
     """
 
     def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
-                 bitwise: bool = False, vocab_pad: bool = True):
-        self.stack = DecoderStack(model, bitwise=bitwise, vocab_pad=vocab_pad)
+                 bitwise: bool = False, vocab_pad: bool = True, packed_gemm_mb: int = 0):
+        self.stack = DecoderStack(model, bitwise=bitwise, vocab_pad=vocab_pad,
+                                  packed_gemm_mb=packed_gemm_mb)
         self.model = model
         self.shared_encoder = shared_encoder
         self.kv_cache = kv_cache

@@ -20,6 +20,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from .cached_attention import CrossAttentionCache
 from .linear import TransposedLinear, projection, refresh_all
+from .packed_gemm import max_packs as packs_within
 from .padded_projection import PaddedProjection, params_key
 from .support import standard_normalization
 
@@ -31,7 +32,9 @@ class LayerWeights:
     :class:`~fairseq_fastgen.models.linear.TransposedLinear` copies of their weights
     (lossless mode; q/k/v fused into one GEMM)."""
 
-    def __init__(self, layer: TransformerDecoderLayerBase, lossless: bool):
+    def __init__(self, layer: TransformerDecoderLayerBase, lossless: bool, max_packs: int = 0):
+        """max_packs: row counts each projection may pack (lossless mode; see
+        :mod:`~fairseq_fastgen.models.packed_gemm`)."""
         sa, ea = layer.self_attn, layer.encoder_attn
         self.layer = layer
         self.heads = sa.num_heads
@@ -39,12 +42,13 @@ class LayerWeights:
         self.dim = sa.embed_dim
         self.scaling = sa.scaling
         qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
-        self.qkv = TransposedLinear(qkv) if lossless and TransposedLinear.usable(qkv) else None
-        self.sa_out = projection(sa.out_proj, lossless)
-        self.fc1 = projection(layer.fc1, lossless)
-        self.fc2 = projection(layer.fc2, lossless)
-        self.ea_q = projection(ea.q_proj, lossless) if ea is not None else None
-        self.ea_out = projection(ea.out_proj, lossless) if ea is not None else None
+        p = max_packs if lossless else 0
+        self.qkv = TransposedLinear(qkv, p) if lossless and TransposedLinear.usable(qkv) else None
+        self.sa_out = projection(sa.out_proj, lossless, p)
+        self.fc1 = projection(layer.fc1, lossless, p)
+        self.fc2 = projection(layer.fc2, lossless, p)
+        self.ea_q = projection(ea.q_proj, lossless, p) if ea is not None else None
+        self.ea_out = projection(ea.out_proj, lossless, p) if ea is not None else None
 
     def refresh(self) -> None:
         """Re-read copied weights that changed (the model may have trained since)."""
@@ -74,22 +78,27 @@ class DecoderStack:
     """One fairseq ``TransformerDecoder`` as the drivers run it; holds only what is derived
     from the weights (transposed and padded copies, the logit bound), no per-batch state."""
 
-    def __init__(self, model, bitwise: bool = False, vocab_pad: bool = True):
+    def __init__(self, model, bitwise: bool = False, vocab_pad: bool = True,
+                 packed_gemm_mb: int = 0):
+        """packed_gemm_mb: MiB of MKL packed weights the projections may keep (lossless
+        mode on CPU; 0: plain GEMMs)."""
         self.model = model
         self.decoder: TransformerDecoderBase = model.decoder
         self.bitwise = bitwise
+        packs = 0 if bitwise else packs_within(packed_gemm_mb, _projection_bytes(self.decoder))
         # Fused q/k/v and transposed weight copies change GEMM shapes/kernels (last bits):
         # lossless mode only.
-        self.layers = [LayerWeights(l, lossless=not bitwise) for l in self.decoder.layers]
+        self.layers = [LayerWeights(l, lossless=not bitwise, max_packs=packs)
+                       for l in self.decoder.layers]
         # A padded copy of the output projection is a differently blocked GEMM: lossless
         # mode only.
         proj = self.decoder.output_projection
         self._padded_proj = (
-            PaddedProjection(proj)
+            PaddedProjection(proj, max_packs=packs)
             if vocab_pad and not bitwise and PaddedProjection.worthwhile(proj) else None)
         # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
         # callers normalize whole rows, then keep [..., :vocab]
-        self._out_t = projection(proj, transposed=not bitwise) if proj is not None else None
+        self._out_t = projection(proj, not bitwise, packs) if proj is not None else None
         # blocked output projection + log_softmax (another GEMM blocking: lossless mode)
         self._blocked_lprobs = not bitwise and proj is not None and standard_normalization(model)
         self._lprob_buf: Optional[Tensor] = None
@@ -284,3 +293,16 @@ class DecoderStack:
                 w_l1 = float(w.abs().sum(dim=1).amax())
                 b_max = float(b.abs().amax()) if b is not None else 0.0
             self._w_bound, self._w_bound_key = (w_l1, b_max), key
+
+
+def _projection_bytes(decoder) -> int:
+    """Bytes of the weights a decoder step multiplies by (its layers' projections and the
+    output projection): what packing them for one row count costs."""
+    mods = [decoder.output_projection]
+    for layer in decoder.layers:
+        sa, ea = layer.self_attn, layer.encoder_attn
+        mods += [sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, layer.fc1, layer.fc2]
+        if ea is not None:  # its keys/values are projected once per batch, not per step
+            mods += [ea.q_proj, ea.out_proj]
+    return sum(m.weight.numel() * m.weight.element_size() for m in mods
+               if m is not None and getattr(m, "weight", None) is not None)

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from .packed_gemm import RowPacks
 from .padded_projection import params_key
 
 
@@ -22,8 +23,11 @@ class TransposedLinear:
     """Callable ``(rows, in) -> (rows, out)`` equal to ``torch.cat([l(x) for l in linears], -1)``
     up to GEMM rounding: several linears of the same input (q/k/v) become one GEMM."""
 
-    def __init__(self, linears: Sequence[nn.Linear]):
+    def __init__(self, linears: Sequence[nn.Linear], max_packs: int = 0):
+        """max_packs: row counts whose GEMM may run on a packed weight (0: none; see
+        :mod:`~fairseq_fastgen.models.packed_gemm`)."""
         self.linears = list(linears)
+        self.packs = RowPacks(max_packs)
         self._key: Optional[tuple] = None
         self.wt: Optional[Tensor] = None  # (in, sum(out)) contiguous
         self.bias: Optional[Tensor] = None
@@ -47,20 +51,25 @@ class TransposedLinear:
             self.bias = None
             if self.linears[0].bias is not None:
                 self.bias = torch.cat([l.bias for l in self.linears]).contiguous()
+        self.packs.clear()
         self._key = key
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (rows, in) float."""
+        out = self.packs.linear(x, self.wt, self.bias)
+        if out is not None:
+            return out
         if self.bias is None:
             return torch.mm(x, self.wt)
         return torch.addmm(self.bias, x, self.wt)
 
 
-def projection(linear: nn.Module, transposed: bool) -> Callable[[Tensor], Tensor]:
+def projection(linear: nn.Module, transposed: bool, max_packs: int = 0
+               ) -> Callable[[Tensor], Tensor]:
     """``linear`` as a callable: a :class:`TransposedLinear` copy when ``transposed`` and
     usable, else the module itself (in bitwise mode: exactly stock's GEMM)."""
     if transposed and TransposedLinear.usable([linear]):
-        return TransposedLinear([linear])
+        return TransposedLinear([linear], max_packs)
     return linear
 
 

@@ -21,6 +21,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .packed_gemm import RowPacks
+
 PAD_MULTIPLE = 64
 
 
@@ -33,9 +35,12 @@ def params_key(*params: Optional[Tensor]) -> tuple:
 class PaddedProjection:
     """Callable ``(rows, C) -> (rows, Vp)``: ``linear(x)`` up to GEMM rounding, then -inf."""
 
-    def __init__(self, linear: nn.Linear, multiple: int = PAD_MULTIPLE):
+    def __init__(self, linear: nn.Linear, multiple: int = PAD_MULTIPLE, max_packs: int = 0):
+        """max_packs: row counts whose GEMM may run on a packed weight (0: none; see
+        :mod:`~fairseq_fastgen.models.packed_gemm`)."""
         self.linear = linear
         self.multiple = multiple
+        self.packs = RowPacks(max_packs)
         self._key: Optional[tuple] = None
         self._wt: Optional[Tensor] = None  # (C, Vp) contiguous
         self._bias: Optional[Tensor] = None  # (Vp,): the linear's bias, then -inf
@@ -62,6 +67,11 @@ class PaddedProjection:
     def __call__(self, x: Tensor) -> Tensor:
         """x: (rows, C) float; returns (rows, Vp) contiguous: logits, then -inf columns."""
         wt, bias = self._padded()
+        out = self.packs.linear(x, wt, bias)
+        if out is not None:
+            if bias is None:
+                out[:, self.linear.out_features:] = float("-inf")
+            return out
         if bias is None:
             # zero weight columns give 0, overwritten by -inf: cheaper than addmm's
             # broadcast copy of a (Vp,) bias into the whole output
@@ -84,5 +94,6 @@ class PaddedProjection:
                 if b is not None:
                     self._bias = b.new_full((vp,), float("-inf"))
                     self._bias[:v] = b
+            self.packs.clear()
             self._key = key
         return self._wt, self._bias

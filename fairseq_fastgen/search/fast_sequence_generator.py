@@ -147,7 +147,8 @@ class FastSequenceGenerator(SequenceGenerator):
             cfg = self.fastgen
             self._fast_decoders = [
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
-                            bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad)
+                            bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
+                            packed_gemm_mb=cfg.packed_gemm_mb)
                 for m in self.model.models
             ]
         return self._fast_decoders
