@@ -13,6 +13,14 @@ needs_mkl = pytest.mark.skipif(not packed_gemm.available(),
                                reason="this torch build has no MKL packed GEMM ops")
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    # packed GEMMs serve steps on two threads or more (the tests run on one)
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
 @needs_mkl
 def test_packs_row_counts_used_often_within_the_bound():
     torch.manual_seed(0)
@@ -44,6 +52,14 @@ def test_a_changed_weight_drops_its_packs():
     proj.refresh()
     assert not proj.packs.packs
     torch.testing.assert_close(proj(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_one_thread_runs_plain_gemms():
+    torch.set_num_threads(1)
+    packs = RowPacks(4)
+    for _ in range(PACK_AFTER + 2):
+        assert packs.linear(torch.randn(3, 4), torch.randn(4, 5), None) is None
+    assert not packs.packs
 
 
 def test_no_packs_without_budget_or_mkl(monkeypatch):
