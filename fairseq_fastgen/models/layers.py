@@ -42,7 +42,7 @@ class LayerWeights:
         self.dim = sa.embed_dim
         self.scaling = sa.scaling
         qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
-        p = max_packs if lossless else 0
+        p = max_packs  # only the transposed copies (lossless mode) pack
         self.qkv = TransposedLinear(qkv, p) if lossless and TransposedLinear.usable(qkv) else None
         self.sa_out = projection(sa.out_proj, lossless, p)
         self.fc1 = projection(layer.fc1, lossless, p)
