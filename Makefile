@@ -9,11 +9,12 @@ STAMP := $(VENV)/.fastgen-installed
 
 .PHONY: demo test install clean-venv bench bench-suite bench-quick test-b demo-b fuzz
 
-$(STAMP): setup.py requirements-a.txt
+$(STAMP): setup.py requirements-a.txt fairseq_fastgen/csrc/decoder_layers.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-a.txt
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m fairseq_fastgen build-native
 	touch $@
 
 install: $(STAMP)

@@ -23,7 +23,8 @@ setup(
     ],
     # Kernel sources live in the repo's top-level cuda/ and install as fairseq_fastgen/cuda/.
     package_dir={"fairseq_fastgen.cuda": "cuda"},
-    package_data={"fairseq_fastgen.cuda": ["*.cu"]},
+    # csrc/: the C++ decoder step, compiled at first use (models/native_step.py)
+    package_data={"fairseq_fastgen.cuda": ["*.cu"], "fairseq_fastgen": ["csrc/*.cpp"]},
     install_requires=[
         # Stack A (Python >= 3.11): the maintained fork of fairseq main.
         'fairseq-fixed==0.12.3.1; python_version >= "3.11"',

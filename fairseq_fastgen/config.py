@@ -86,6 +86,15 @@ class FastGenConfig:
             "whose projections outgrow it runs plain GEMMs"
         },
     )
+    native_step: bool = field(
+        default=True,
+        metadata={
+            "help": "run the decoder layers of a step through a small C++ extension "
+            "(compiled once with g++ by torch.utils.cpp_extension, cached): the same "
+            "operations as the Python step with less dispatch cost (CPU, lossless mode; "
+            "without a compiler the Python step runs)"
+        },
+    )
     attention: bool = field(
         default=False,
         metadata={
@@ -240,6 +249,7 @@ class FastGenConfig:
             "shared_encoder": fast and self.shared_encoder,
             "kv_cache": fast and self.kv_cache,
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
+            "native_step": fast and self.native_step and not self.bitwise,
             "continuous_batching=" + self.continuous: (
                 fast and self.continuous != "off" and not self.bitwise),
             "ngram_blocker=" + self.ngram_blocker: on,

@@ -25,6 +25,7 @@ from torch import Tensor
 from .cached_attention import CrossAttentionCache
 from .kv_cache import KVCache, Spare, first_capacity
 from .layers import DecoderStack, LayerWeights
+from . import native_step
 
 
 class StepOutput(NamedTuple):
@@ -44,7 +45,10 @@ class FastDecoder:
     """
 
     def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
-                 bitwise: bool = False, vocab_pad: bool = True, packed_gemm_mb: int = 0):
+                 bitwise: bool = False, vocab_pad: bool = True, packed_gemm_mb: int = 0,
+                 native: bool = False):
+        """native: run the layers of a step in C++ where the model and batch allow
+        (:mod:`~fairseq_fastgen.models.native_step`; same bits as the Python step)."""
         self.stack = DecoderStack(model, bitwise=bitwise, vocab_pad=vocab_pad,
                                   packed_gemm_mb=packed_gemm_mb)
         self.model = model
@@ -59,6 +63,9 @@ class FastDecoder:
         self.step_idx = 0
         self.beam = 1
         self._first_once = False
+        self._native_wanted = native
+        self._native: Optional[native_step.NativeLayers] = None
+        self._native_now = False  # this batch runs the C++ layers
 
     # ---- per batch ----------------------------------------------------------------
 
@@ -68,6 +75,9 @@ class FastDecoder:
         changed; called by :meth:`start`, and before forking decoding workers so that they
         share one copy."""
         self.stack.prepare()
+        if self._native_wanted and self._native is None:
+            self._native_wanted = False  # decided once
+            self._native = native_step.build(self.stack)
 
     def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int) -> None:
         """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated)."""
@@ -89,6 +99,8 @@ class FastDecoder:
         # GEMM rows: last bits may differ), when cross-attention keeps one copy per sentence.
         self._first_once = beam > 1 and not self.bitwise and all(
             c is None or c.per_sentence for c in self.cross)
+        self._native_now = self._native is not None and self.kv_cache and all(
+            c is None or c.merged for c in self.cross)
 
     def reorder(self, order: Tensor) -> None:
         """order: (n_new,) int64 row of the previous step each new hypothesis continues."""
@@ -121,11 +133,14 @@ class FastDecoder:
         positions = self._positions[:, t : t + 1] if self._positions is not None else None
         x = self.stack.embed(tokens[::rep, -1:], positions)  # (n, C): one query per hypothesis
 
-        def self_attention(i: int, l: LayerWeights, x: Tensor) -> Tensor:
-            return self._self_attention(l, self.self_kv[i], x, rep)
+        if self._native_now and rep == 1:
+            x, attn = self._native(x, self.self_kv, self.cross, t, self.beam, need_attn)
+        else:
+            def self_attention(i: int, l: LayerWeights, x: Tensor) -> Tensor:
+                return self._self_attention(l, self.self_kv[i], x, rep)
 
-        x, attn = self.stack.layers_forward(x, self_attention, self.cross, need_attn,
-                                            cross_beam=1 if rep > 1 else None)
+            x, attn = self.stack.layers_forward(x, self_attention, self.cross, need_attn,
+                                                cross_beam=1 if rep > 1 else None)
         x = self.stack.final_features(x)
         lprobs = self.stack.log_probs(x, temperature)
         finite = self.stack.logits_finite(x)

@@ -74,6 +74,18 @@ class KVCache:
         self.t += 1
         return self.k[: self.t], self.v[: self.t]
 
+    def next_slot(self) -> Tuple[Tensor, Tensor]:
+        """The (capacity, n, C) key and value buffers, grown if full, for a caller that
+        writes this step's rows at index ``t`` itself and then calls :meth:`advance`."""
+        assert self.preallocate, "next_slot needs the preallocated cache"
+        if self.t == self.k.size(0):
+            self._grow()
+        return self.k, self.v
+
+    def advance(self) -> None:
+        """Count the step written through :meth:`next_slot`."""
+        self.t += 1
+
     def reorder(self, order: Tensor, spare: Spare = None) -> Spare:
         """Row i of the cache becomes old row order[i]; order: (n_new,) int64.
 

@@ -254,6 +254,9 @@ class DecoderStack:
             logits = self.project_out(x)
             if temperature != 1.0:
                 logits = logits.div_(temperature)
+            if self._blocked_lprobs and logits.dtype == torch.float32:
+                # = fairseq's chain down to utils.log_softmax, without its call overhead
+                return torch.log_softmax(logits, dim=-1)
             return self.model.get_normalized_probs((logits.unsqueeze(1), None), log_probs=True,
                                                    sample=None)[:, 0]
         out = self._lprob_buffer(rows)

@@ -59,22 +59,28 @@ class RowPacks:
         """``addmm(bias, x, wt)`` through a packed weight: x (rows, in) float32 on CPU,
         wt (in, out) contiguous; None where this row count is not packed (the caller
         runs its plain GEMM)."""
-        if self.max_packs <= 0 or x.device.type != "cpu" or x.dtype != torch.float32:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        packed = self.pack_for(x.size(0), wt)
+        if packed is None:
+            return None
+        w = wt.t()  # (out, in): the op reads only its shape (its fallback is never taken)
+        return torch.ops.mkl._mkl_linear(x.contiguous(), packed, w, bias, x.size(0))
+
+    def pack_for(self, m: int, wt: Tensor) -> Optional[Tensor]:
+        """The packed weight for a GEMM of ``m`` rows by wt (in, out) float32 on CPU,
+        counting this use (it may pack now); None: run the plain GEMM."""
+        if self.max_packs <= 0:
             return None
         if torch.get_num_threads() < 2:
             # measured: with one thread the packed layer GEMMs ran 0.89-1.05x the plain
             # ones (decoding workers run one thread each)
             return None
-        m = x.size(0)
         packed = self.packs.get(m)
         if packed is None:
-            packed = self._admit(m, wt)
-            if packed is None:
-                return None
-        else:
-            self.uses[m] += 1
-        w = wt.t()  # (out, in): the op reads only its shape (its fallback is never taken)
-        return torch.ops.mkl._mkl_linear(x.contiguous(), packed, w, bias, m)
+            return self._admit(m, wt)
+        self.uses[m] += 1
+        return packed
 
     def _admit(self, m: int, wt: Tensor) -> Optional[Tensor]:
         n = self.uses.get(m, 0) + 1

@@ -148,7 +148,7 @@ class FastSequenceGenerator(SequenceGenerator):
             self._fast_decoders = [
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
-                            packed_gemm_mb=cfg.packed_gemm_mb)
+                            packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step)
                 for m in self.model.models
             ]
         return self._fast_decoders

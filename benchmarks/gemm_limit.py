@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""One process: stock vs fastgen (native decoder step off / on) vs the GEMM-bound limit.
+
+Each generator decodes the same batches of the bundled es->en test set in this process
+(2 torch threads by default: the decoding of ``--fastgen-decode-workers 1``), interleaved,
+min of ``--rounds``; every fastgen hypothesis of the first round is checked against
+stock's (tokens identical, scores within 1e-4).
+
+The GEMM-bound limit is the time of the weight GEMMs alone that fastgen's run really
+issues, measured in the same process right after: for every row count a decoder step used
+(counted during the first fastgen round, step by step) the step's projections (each
+layer's q/k/v, self-attention output, encoder-attention query and output, FFN, and the
+output projection) and, per batch, the encoder's projections and the encoder-attention
+keys/values at its bsz x src_len rows, each GEMM on the fastest kernel this torch has
+for it (plain ``addmm`` or MKL's packed weight for that row count), min of 3.  No
+generator can run these GEMMs faster than that on this machine, so ``stock / limit`` is
+the most any lossless speed-up can reach here.
+
+    python benchmarks/gemm_limit.py --batch 8 64 --out benchmarks/results/gemm_limit.json
+"""
+import argparse
+import collections
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from conftest import assert_same_hypos, batches, generators, load  # noqa: E402
+from fairseq_fastgen.config import FastGenConfig  # noqa: E402
+from fairseq_fastgen.models import fast_decoder, packed_gemm  # noqa: E402
+from packed_gemm import cpu_name  # noqa: E402
+
+
+@contextlib.contextmanager
+def counting_step_rows(counter: collections.Counter):
+    """Counts the rows each FastDecoder step computes (instrumentation of this script)."""
+    step = fast_decoder.FastDecoder.step
+
+    def counted(self, tokens, *a, **k):
+        once = self.step_idx == 0 and self._first_once
+        counter[tokens.size(0) // (self.beam if once else 1)] += 1
+        return step(self, tokens, *a, **k)
+
+    fast_decoder.FastDecoder.step = counted
+    try:
+        yield counter
+    finally:
+        fast_decoder.FastDecoder.step = step
+
+
+def _best_gemm_seconds(w: torch.Tensor, rows: int, reps: int = 3) -> float:
+    """Seconds of the fastest available kernel for (rows, in) x W.T, W: (out, in)."""
+    x = torch.randn(rows, w.size(1))
+    wt = w.t().contiguous()
+    kernels = [lambda: torch.mm(x, wt)]
+    if packed_gemm.available() and rows > 0:
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), rows)
+        kernels.append(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, rows))
+    n = max(3, int(2e8 // max(1, 2 * rows * w.numel())))  # ~0.2 GFLOP per timing
+    best = float("inf")
+    for f in kernels:
+        f()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                f()
+            best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def decoder_weights(model):
+    """The weights a decoder step multiplies by (out, in), and those projected once per
+    batch from the encoder output (encoder-attention keys/values)."""
+    step, per_batch = [model.decoder.output_projection.weight], []
+    for layer in model.decoder.layers:
+        sa, ea = layer.self_attn, layer.encoder_attn
+        step += [torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]),
+                 sa.out_proj.weight, layer.fc1.weight, layer.fc2.weight]
+        if ea is not None:
+            step += [ea.q_proj.weight, ea.out_proj.weight]
+            per_batch += [ea.k_proj.weight, ea.v_proj.weight]
+    return step, per_batch
+
+
+def encoder_weights(model):
+    ws = []
+    for layer in model.encoder.layers:
+        sa = layer.self_attn
+        ws += [torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]),
+               sa.out_proj.weight, layer.fc1.weight, layer.fc2.weight]
+    return ws
+
+
+def gemm_limit(model, step_rows: collections.Counter, encoder_rows: collections.Counter):
+    """(decoder-step seconds, encoder + per-batch seconds) of the GEMMs alone."""
+    step_ws, batch_ws = decoder_weights(model)
+    enc_ws = encoder_weights(model) + batch_ws
+    with torch.no_grad():
+        dec = sum(c * sum(_best_gemm_seconds(w, r) for w in step_ws)
+                  for r, c in step_rows.items())
+        enc = sum(c * sum(_best_gemm_seconds(w, r) for w in enc_ws)
+                  for r, c in encoder_rows.items())
+    return dec, enc
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--subset", default="test")
+    p.add_argument("--limit", type=int, default=None, help="batches per run (default: all)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    d = ROOT / "examples" / "bible" / "bundle" / "es-en"
+    task, models, cfg = load(d, [d / "checkpoint.pt"], extra=["--source-lang", "es", "--target-lang", "en"])
+    stock, fast = generators(task, models, FastGenConfig(), beam=a.beam)
+    _, python_step = generators(task, models, FastGenConfig(native_step=False), beam=a.beam)
+    gens = {"stock": stock, "fastgen native off": python_step, "fastgen": fast}
+    rows = []
+    for bsz in a.batch:
+        bs = list(batches(task, cfg, bsz, subset=a.subset, limit=a.limit))
+        enc_rows = collections.Counter(b["net_input"]["src_tokens"].numel() for b in bs)
+        step_rows: collections.Counter = collections.Counter()
+        best, outs = {}, {}
+        for r in range(a.rounds):
+            for name, g in gens.items():
+                counting = r == 0 and name == "fastgen"
+                with counting_step_rows(step_rows) if counting else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        out = [g.generate(models, b) for b in bs]
+                    took = time.perf_counter() - t0
+                best[name] = min(best.get(name, 1e9), took)  # (counting costs ~1 us a step)
+                if r == 0:
+                    outs[name] = out
+        for name in gens:  # the first round's hypotheses, against stock's
+            for s, f in zip(outs["stock"], outs[name]):
+                assert_same_hypos(s, f, bitwise=False)
+        dec_s, enc_s = gemm_limit(models[0], step_rows, enc_rows)
+        limit = dec_s + enc_s
+        row = {"batch": bsz, "sentences": sum(b["id"].numel() for b in bs),
+               "decoder_steps": sum(step_rows.values()),
+               "mean_step_rows": round(sum(r * c for r, c in step_rows.items())
+                                       / max(1, sum(step_rows.values())), 1),
+               "seconds": {k: round(v, 2) for k, v in best.items()},
+               "gemm_limit_seconds": {"decoder_steps": round(dec_s, 2),
+                                      "encoder_and_cross_kv": round(enc_s, 2),
+                                      "total": round(limit, 2)},
+               "vs_stock": {k: round(best["stock"] / v, 3) for k, v in best.items()},
+               "x_limit": {k: round(v / limit, 2) for k, v in best.items()},
+               "limit_vs_stock": round(best["stock"] / limit, 2)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"cpu": cpu_name(), "threads": a.threads, "beam": a.beam, "subset": a.subset,
+              "rounds": a.rounds, "lossless": True, "rows": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The decoder layers of one incremental step in C++ (``csrc/decoder_layers.cpp``).
+
+At the few rows of a decoder step most of its time is the fixed cost of ~100 eager
+operations parsed and dispatched from Python: on the bundled 3-layer es->en model a step
+took 1.8 ms at 5 rows against 2.9 ms at 40 (Intel Xeon, 2 threads; see
+benchmarks/results/NOTES.md, "Native decoder step").  The C++ source makes the same ATen
+calls on the same shapes as :class:`~fairseq_fastgen.models.layers.DecoderStack` in
+lossless mode, so it gives the same bits as the Python step (tests/test_native_step.py);
+only the dispatch is cheaper.
+
+The extension is compiled once per torch version and source by
+``torch.utils.cpp_extension.load`` (about 30-60 s with g++; ``make install`` does it, and
+``python -m fairseq_fastgen build-native``), cached under ``TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``).  Where it cannot be built (no compiler) or a
+model has something the C++ step does not mirror, the Python step runs, after one log
+line saying why.
+"""
+import logging
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .linear import TransposedLinear
+
+logger = logging.getLogger(__name__)
+
+_module = None
+_load_error: Optional[str] = None
+
+
+def source() -> Path:
+    return Path(__file__).resolve().parents[1] / "csrc" / "decoder_layers.cpp"
+
+
+def load(build: bool = True):
+    """The compiled extension (compiling it if needed and ``build``), or None; the reason
+    of a failure is :func:`load_error`."""
+    global _module, _load_error
+    if _module is not None or _load_error is not None:
+        return _module
+    try:
+        from torch.utils import cpp_extension
+        _module = cpp_extension.load(
+            name="fastgen_decoder_layers", sources=[str(source())],
+            extra_cflags=["-O2"], verbose=False)
+    except Exception as e:  # no compiler, headers, ...: the Python step serves
+        _load_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+    return _module
+
+
+def load_error() -> Optional[str]:
+    return _load_error
+
+
+def _activation(fn) -> Optional[int]:
+    """The C++ code of a layer's activation: 0 relu, 1 fairseq's gelu, None: unsupported."""
+    if fn is F.relu:
+        return 0
+    try:
+        from fairseq.modules.gelu import gelu
+    except ImportError:  # pragma: no cover
+        return None
+    return 1 if fn is gelu else None
+
+
+def _norm(m) -> Optional[Tuple[Optional[Tensor], Optional[Tensor], float]]:
+    if type(m) is not nn.LayerNorm or len(m.normalized_shape) != 1:
+        return None
+    return m.weight, m.bias, float(m.eps)
+
+
+def unsupported(stack) -> Optional[str]:
+    """Why ``stack`` (a lossless-mode DecoderStack) cannot run the C++ layers (None: it can)."""
+    if stack.bitwise:
+        return "bitwise mode"
+    if stack.device_dtype()[0].type != "cpu":
+        return "not on CPU"
+    if not stack.layers:
+        return "no layers"
+    acts, nbs = set(), set()
+    for l in stack.layers:
+        layer = l.layer
+        projs = [l.qkv, l.sa_out, l.fc1, l.fc2]
+        if layer.encoder_attn is not None:
+            projs += [l.ea_q, l.ea_out]
+        if not all(isinstance(p, TransposedLinear) for p in projs):
+            return "a projection without a transposed copy"
+        norms = [layer.self_attn_layer_norm, layer.final_layer_norm]
+        if layer.encoder_attn is not None:
+            norms.append(layer.encoder_attn_layer_norm)
+        if any(_norm(m) is None for m in norms):
+            return "a layer norm other than torch.nn.LayerNorm"
+        act = _activation(layer.activation_fn)
+        if act is None:
+            return f"activation {getattr(layer.activation_fn, '__name__', '?')}"
+        acts.add(act)
+        nbs.add(bool(layer.normalize_before))
+    if len(acts) > 1 or len(nbs) > 1 or len({(l.heads, l.head_dim) for l in stack.layers}) > 1:
+        return "layers of different shapes or kinds"
+    return None
+
+
+def build(stack) -> Optional["NativeLayers"]:
+    """The C++ layers for ``stack``, or None after one log line saying why not."""
+    reason = unsupported(stack)
+    module = load() if reason is None else None
+    if reason is None and module is None:
+        reason = f"C++ extension unavailable ({load_error()})"
+    if reason is not None:
+        _log_once(f"fairseq-fastgen: native decoder step off ({reason}); Python step")
+        return None
+    return NativeLayers(stack, module)
+
+
+_logged = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.info(msg)
+
+
+class NativeLayers:
+    """Runs a DecoderStack's layers for one step through the C++ extension."""
+
+    def __init__(self, stack, module):
+        self.stack = stack
+        self.module = module
+        self.per_layer = int(module.WEIGHTS_PER_LAYER)
+        first = stack.layers[0]
+        self.ints = [first.heads, first.head_dim, int(bool(first.layer.normalize_before)),
+                     _activation(first.layer.activation_fn)]
+        self.scalars: List[float] = []
+        for l in stack.layers:
+            layer = l.layer
+            ea = layer.encoder_attn
+            eps = [_norm(m)[2] if m is not None else 1e-5 for m in (
+                layer.self_attn_layer_norm, layer.encoder_attn_layer_norm,
+                layer.final_layer_norm)]
+            self.scalars += [float(l.scaling), float(ea.scaling) if ea is not None else 1.0, *eps]
+
+    def weights(self, rows: int) -> List[Optional[Tensor]]:
+        """Every layer's weights in the C++ order, packs for ``rows`` where MKL has them."""
+        out: List[Optional[Tensor]] = []
+        for l in self.stack.layers:
+            layer = l.layer
+            ea = layer.encoder_attn is not None
+            out += [*_norm(layer.self_attn_layer_norm)[:2], *_proj(l.qkv, rows),
+                    *_proj(l.sa_out, rows)]
+            if ea:
+                out += [*_norm(layer.encoder_attn_layer_norm)[:2], *_proj(l.ea_q, rows),
+                        *_proj(l.ea_out, rows)]
+            else:
+                out += [None] * 8
+            out += [*_norm(layer.final_layer_norm)[:2], *_proj(l.fc1, rows), *_proj(l.fc2, rows)]
+        return out
+
+    def __call__(self, x: Tensor, self_kv, cross, t: int, beam: int, need_attn: bool
+                 ) -> Tuple[Tensor, Optional[Tensor]]:
+        """x: (n, C) embedded queries at step t; self_kv: each layer's KVCache (t keys so
+        far); cross: each layer's CrossAttentionCache (merged) or None.  Returns (n, C)
+        and the last layer's head-averaged cross-attention (n, S) if need_attn."""
+        caches: List[Tensor] = []
+        for c in self_kv:
+            caches += c.next_slot()
+        xs: List[Optional[Tensor]] = []
+        for c in cross:
+            xs += [None, None, None] if c is None else [c.k, c.v, c.pad]
+        out, attn = self.module.layers_step(x, self.weights(x.size(0)), caches, xs, t, beam,
+                                            self.scalars, self.ints, need_attn)
+        for c in self_kv:
+            c.advance()
+        return out, attn
+
+
+def _proj(p: TransposedLinear, rows: int):
+    """(wt, bias, pack or None) of a transposed projection for ``rows`` rows."""
+    pack = p.packs.pack_for(rows, p.wt) if p.wt.dtype == torch.float32 else None
+    return p.wt, p.bias, pack

@@ -1,0 +1,141 @@
+"""The C++ decoder layers (models/native_step.py, csrc/decoder_layers.cpp).
+
+They make the Python step's ATen calls on the same shapes, so every step's
+log-probabilities must be bit-identical to the Python step's; against stock the
+generator tests (which run with the default config, native step on) hold it lossless.
+"""
+import logging
+
+import pytest
+import torch
+
+from conftest import assert_same_hypos, batches, generators, load
+from fairseq_fastgen.config import FastGenConfig
+from fairseq_fastgen.models import native_step
+from fairseq_fastgen.models.fast_decoder import FastDecoder
+
+needs_native = pytest.mark.skipif(native_step.load() is None,
+                                  reason=f"C++ extension not built: {native_step.load_error()}")
+
+
+@torch.no_grad()
+def _steps(model, sample, native: bool, beam: int, steps: int, need_attn: bool):
+    """lprobs (and attention) of ``steps`` decoder steps over a fixed token sequence
+    with a fixed beam reorder, on the native or the Python layers."""
+    d = FastDecoder(model, native=native)
+    d.prepare()
+    assert (d._native is not None) == native
+    net = sample["net_input"]
+    enc = (model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+           if getattr(model, "encoder", None) is not None else None)
+    bsz = sample["net_input"]["src_tokens"].size(0)
+    n = bsz * beam
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, len(model.decoder.dictionary), (n, steps + 1), generator=g)
+    tokens[:, 0] = model.decoder.dictionary.eos()
+    d.start(enc, bsz, beam, max_len=steps + 4)
+    out = []
+    for t in range(steps):
+        o = d.step(tokens[:, : t + 1], need_attn)
+        out.append((o.lprobs.clone(), None if o.attn is None else o.attn.clone()))
+        # each sentence's hypotheses swap places: the caches follow a real reorder
+        order = torch.arange(n).view(bsz, beam).flip(1).reshape(-1)
+        d.reorder(order)
+        tokens = tokens[order]
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("which", ["postln", "preln", "bart"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_layers_give_the_python_steps_bits(tiny, which, threads):
+    task, models, cfg = load(tiny.data, [getattr(tiny, which)])
+    sample = next(iter(batches(task, cfg, 7)))  # sources of different lengths: padding
+    assert sample["net_input"]["src_lengths"].unique().numel() > 1
+    torch.set_num_threads(threads)
+    try:
+        for need_attn in (False, True):
+            py = _steps(models[0], sample, False, beam=3, steps=9, need_attn=need_attn)
+            nat = _steps(models[0], sample, True, beam=3, steps=9, need_attn=need_attn)
+            for (lp, a), (lp2, a2) in zip(py, nat):
+                assert torch.equal(lp, lp2)
+                assert (a is None) == (a2 is None) and (a is None or torch.equal(a, a2))
+    finally:
+        torch.set_num_threads(1)
+
+
+@needs_native
+def test_native_layers_decoder_only_lm(tiny_lm):
+    task, models, cfg = load(tiny_lm.data, [tiny_lm.path], task="language_modeling",
+                             extra=["--tokens-per-sample", "64"])
+    sample = next(iter(batches(task, cfg, 3)))
+    py = _steps(models[0], sample, False, beam=2, steps=6, need_attn=False)
+    nat = _steps(models[0], sample, True, beam=2, steps=6, need_attn=False)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(py, nat))
+
+
+@needs_native
+def test_bundled_model_generation_same_with_and_without(caplog):
+    from conftest import bundled
+    m = bundled("es-en")
+    task, models, cfg = load(m.data, [m.path], extra=["--source-lang", m.src,
+                                                       "--target-lang", m.tgt])
+    stock, fast = generators(task, models, FastGenConfig(), beam=5)
+    _, py = generators(task, models, FastGenConfig(native_step=False), beam=5)
+    torch.set_num_threads(2)  # packed GEMMs too (two threads or more)
+    try:
+        for b in batches(task, cfg, 8, limit=3):
+            s, f, p = stock.generate(models, b), fast.generate(models, b), py.generate(models, b)
+            assert_same_hypos(s, f, bitwise=False)
+            assert_same_hypos(p, f, bitwise=True)  # native == Python step, bit for bit
+    finally:
+        torch.set_num_threads(1)
+    assert fast._decoders()[0]._native is not None
+    assert py._decoders()[0]._native is None
+
+
+def test_unsupported_models_and_modes_run_the_python_step(tiny, caplog):
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    layer = models[0].decoder.layers[0]
+    saved = layer.activation_fn
+    layer.activation_fn = torch.tanh  # no C++ mirror of it
+    try:
+        stock, fast = generators(task, models, FastGenConfig(), beam=3)
+        with caplog.at_level(logging.INFO):
+            for b in batches(task, cfg, 4, limit=2):
+                assert_same_hypos(stock.generate(models, b), fast.generate(models, b),
+                                  bitwise=False)
+        assert fast._decoders()[0]._native is None
+        assert "native decoder step off (activation tanh)" in caplog.text
+    finally:
+        layer.activation_fn = saved
+    _, bitwise = generators(task, models, FastGenConfig(bitwise=True), beam=3)
+    bitwise.prepare()
+    assert bitwise._decoders()[0]._native is None
+
+
+def test_without_a_compiler_the_python_step_serves(tiny, caplog, monkeypatch):
+    monkeypatch.setattr(native_step, "_module", None)
+    monkeypatch.setattr(native_step, "_load_error", "RuntimeError: no g++")
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    stock, fast = generators(task, models, FastGenConfig(), beam=2)
+    with caplog.at_level(logging.INFO):
+        b = next(iter(batches(task, cfg, 3)))
+        assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=False)
+    assert "C++ extension unavailable (RuntimeError: no g++)" in caplog.text
+
+
+def test_switch_on_the_command_line_and_in_the_log_line(tiny):
+    from fairseq import options
+    from fairseq_fastgen import config as fg_config
+    assert FastGenConfig().native_step is True
+    before = fg_config.active()
+    try:
+        options.parse_args_and_arch(options.get_generation_parser(),
+                                    [str(tiny.data), "--fastgen-no-native-step"])
+        assert fg_config.active().native_step is False
+    finally:
+        fg_config.set_active(before)
+    assert "native_step" in FastGenConfig().describe()
+    assert "native_step" not in FastGenConfig(native_step=False).describe()
+    assert "native_step" not in FastGenConfig(bitwise=True).describe()
