@@ -12,9 +12,11 @@ issues, measured in the same process right after: for every row count a decoder 
 layer's q/k/v, self-attention output, encoder-attention query and output, FFN, and the
 output projection) and, per batch, the encoder's projections and the encoder-attention
 keys/values at its bsz x src_len rows, each GEMM on the fastest kernel this torch has
-for it (plain ``addmm`` or MKL's packed weight for that row count), min of 3.  No
-generator can run these GEMMs faster than that on this machine, so ``stock / limit`` is
-the most any lossless speed-up can reach here.
+for it (plain ``addmm`` or MKL's packed weight for that row count), min of 3, run in a
+step's order so that the weights stream through the caches as in a step (``total``; each
+GEMM alone with its weight hot in cache is ``total_alone``, a bound no step reaches).  No
+generator can run these GEMMs faster than ``total`` on this machine, so ``stock / limit``
+is about the most any lossless speed-up can reach here.
 
     python benchmarks/gemm_limit.py --batch 8 64 --out benchmarks/results/gemm_limit.json
 """
@@ -25,6 +27,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Tuple
 
 import torch
 
@@ -56,24 +59,46 @@ def counting_step_rows(counter: collections.Counter):
         fast_decoder.FastDecoder.step = step
 
 
-def _best_gemm_seconds(w: torch.Tensor, rows: int, reps: int = 3) -> float:
-    """Seconds of the fastest available kernel for (rows, in) x W.T, W: (out, in)."""
+def _kernels(w: torch.Tensor, rows: int):
+    """The kernels this torch has for (rows, in) x W.T, W: (out, in): plain and packed."""
     x = torch.randn(rows, w.size(1))
     wt = w.t().contiguous()
-    kernels = [lambda: torch.mm(x, wt)]
+    ks = [lambda: torch.mm(x, wt)]
     if packed_gemm.available() and rows > 0:
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), rows)
-        kernels.append(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, rows))
-    n = max(3, int(2e8 // max(1, 2 * rows * w.numel())))  # ~0.2 GFLOP per timing
+        ks.append(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, rows))
+    return ks
+
+
+def _seconds(f, flops: float, reps: int = 3) -> float:
+    n = max(3, int(2e8 // max(1.0, flops)))  # ~0.2 GFLOP per timing
+    f()
     best = float("inf")
-    for f in kernels:
-        f()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                f()
-            best = min(best, (time.perf_counter() - t0) / n)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        best = min(best, (time.perf_counter() - t0) / n)
     return best
+
+
+def gemms_seconds(ws, rows: int) -> Tuple[float, float]:
+    """Seconds of one pass of the GEMMs of weights ``ws`` at ``rows`` rows: (each GEMM
+    timed alone, its weight hot in cache; all of them in order, each on its fastest
+    kernel, as a step streams its weights)."""
+    fastest, alone = [], 0.0
+    for w in ws:
+        flops = 2.0 * rows * w.numel()
+        timed = [(_seconds(k, flops), k) for k in _kernels(w, rows)]
+        t, k = min(timed, key=lambda p: p[0])
+        fastest.append(k)
+        alone += t
+
+    def in_order():
+        for k in fastest:
+            k()
+
+    return alone, _seconds(in_order, 2.0 * rows * sum(w.numel() for w in ws))
 
 
 def decoder_weights(model):
@@ -100,15 +125,20 @@ def encoder_weights(model):
 
 
 def gemm_limit(model, step_rows: collections.Counter, encoder_rows: collections.Counter):
-    """(decoder-step seconds, encoder + per-batch seconds) of the GEMMs alone."""
+    """Seconds of the GEMMs alone: {decoder_steps, encoder_and_cross_kv} x {alone,
+    in_order} (see gemms_seconds)."""
     step_ws, batch_ws = decoder_weights(model)
     enc_ws = encoder_weights(model) + batch_ws
+    out = {}
     with torch.no_grad():
-        dec = sum(c * sum(_best_gemm_seconds(w, r) for w in step_ws)
-                  for r, c in step_rows.items())
-        enc = sum(c * sum(_best_gemm_seconds(w, r) for w in enc_ws)
-                  for r, c in encoder_rows.items())
-    return dec, enc
+        for part, ws, counts in (("decoder_steps", step_ws, step_rows),
+                                 ("encoder_and_cross_kv", enc_ws, encoder_rows)):
+            alone = in_order = 0.0
+            for r, c in counts.items():
+                a, o = gemms_seconds(ws, r)
+                alone, in_order = alone + c * a, in_order + c * o
+            out[part] = {"alone": alone, "in_order": in_order}
+    return out
 
 
 def main():
@@ -147,16 +177,17 @@ def main():
         for name in gens:  # the first round's hypotheses, against stock's
             for s, f in zip(outs["stock"], outs[name]):
                 assert_same_hypos(s, f, bitwise=False)
-        dec_s, enc_s = gemm_limit(models[0], step_rows, enc_rows)
-        limit = dec_s + enc_s
+        lim = gemm_limit(models[0], step_rows, enc_rows)
+        limit = sum(v["in_order"] for v in lim.values())
         row = {"batch": bsz, "sentences": sum(b["id"].numel() for b in bs),
                "decoder_steps": sum(step_rows.values()),
                "mean_step_rows": round(sum(r * c for r, c in step_rows.items())
                                        / max(1, sum(step_rows.values())), 1),
                "seconds": {k: round(v, 2) for k, v in best.items()},
-               "gemm_limit_seconds": {"decoder_steps": round(dec_s, 2),
-                                      "encoder_and_cross_kv": round(enc_s, 2),
-                                      "total": round(limit, 2)},
+               "gemm_limit_seconds": {
+                   **{part: {k: round(v, 2) for k, v in d.items()} for part, d in lim.items()},
+                   "total_alone": round(sum(v["alone"] for v in lim.values()), 2),
+                   "total": round(limit, 2)},
                "vs_stock": {k: round(best["stock"] / v, 3) for k, v in best.items()},
                "x_limit": {k: round(v / limit, 2) for k, v in best.items()},
                "limit_vs_stock": round(best["stock"] / limit, 2)}

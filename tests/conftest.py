@@ -101,8 +101,11 @@ def generators(task, models, fastgen: FastGenConfig, **gen):
 
 def batches(task, cfg, batch_size, subset=None, limit=None):
     ds = task.dataset(subset or cfg.dataset.gen_subset)
+    # without disable_iterator_cache fairseq hands back the dataset's first iterator
+    # whatever batch_size is asked for next
     itr = task.get_batch_iterator(dataset=ds, max_sentences=batch_size,
-                                  max_positions=(1024, 1024), seed=1).next_epoch_itr(shuffle=False)
+                                  max_positions=(1024, 1024), seed=1,
+                                  disable_iterator_cache=True).next_epoch_itr(shuffle=False)
     for i, b in enumerate(itr):
         if limit is not None and i >= limit:
             break

@@ -46,8 +46,9 @@ def load(build: bool = True):
         _module = cpp_extension.load(
             name="fastgen_decoder_layers", sources=[str(source())],
             extra_cflags=["-O2"], verbose=False)
-    except Exception as e:  # no compiler, headers, ...: the Python step serves
-        _load_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+    except Exception as e:  # no compiler, headers, ninja...: the Python step serves
+        lines = str(e).strip().splitlines()
+        _load_error = f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
     return _module
 
 
