@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from conftest import assert_same_hypos, batches, generators, load  # noqa: E402
 from fairseq_fastgen.config import FastGenConfig  # noqa: E402
 from fairseq_fastgen.models import fast_decoder, packed_gemm  # noqa: E402
+from fairseq_fastgen.models.padded_projection import PAD_MULTIPLE  # noqa: E402
 from packed_gemm import cpu_name  # noqa: E402
 
 
@@ -102,9 +103,12 @@ def gemms_seconds(ws, rows: int) -> Tuple[float, float]:
 
 
 def decoder_weights(model):
-    """The weights a decoder step multiplies by (out, in), and those projected once per
-    batch from the encoder output (encoder-attention keys/values)."""
-    step, per_batch = [model.decoder.output_projection.weight], []
+    """The weights a decoder step multiplies by (out, in), the output projection padded as
+    fastgen pads it, and those projected once per batch from the encoder output
+    (encoder-attention keys/values)."""
+    out = model.decoder.output_projection.weight
+    pad = -out.size(0) % PAD_MULTIPLE  # as fastgen runs it (models/padded_projection.py)
+    step, per_batch = [torch.cat([out, out.new_zeros(pad, out.size(1))]) if pad else out], []
     for layer in model.decoder.layers:
         sa, ea = layer.self_attn, layer.encoder_attn
         step += [torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]),
