@@ -15,7 +15,10 @@ The extension is compiled once per torch version and source by
 model has something the C++ step does not mirror, the Python step runs, after one log
 line saying why.
 """
+import hashlib
+import importlib.util
 import logging
+import os
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -35,21 +38,45 @@ def source() -> Path:
     return Path(__file__).resolve().parents[1] / "csrc" / "decoder_layers.cpp"
 
 
-def load(build: bool = True):
-    """The compiled extension (compiling it if needed and ``build``), or None; the reason
-    of a failure is :func:`load_error`."""
+def load():
+    """The compiled extension (compiling it first if no build of this source exists), or
+    None; the reason of a failure is :func:`load_error`.
+
+    Builds live in ``<TORCH_EXTENSIONS_DIR>/fastgen_decoder_layers_<source hash>/``, from
+    a copy of the source there: checkouts with the same source share one build (ninja
+    rebuilds whenever a source's path changes), and a build that exists is imported
+    directly (ninja's check alone costs seconds)."""
     global _module, _load_error
     if _module is not None or _load_error is not None:
         return _module
     try:
-        from torch.utils import cpp_extension
-        _module = cpp_extension.load(
-            name="fastgen_decoder_layers", sources=[str(source())],
-            extra_cflags=["-O2"], verbose=False)
+        _module = _import_or_build()
     except Exception as e:  # no compiler, headers, ninja...: the Python step serves
         lines = str(e).strip().splitlines()
         _load_error = f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
     return _module
+
+
+def _import_or_build():
+    from torch.utils import cpp_extension
+
+    code = source().read_bytes()
+    tag = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:16]
+    name = f"fastgen_decoder_layers_{tag}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
+    if built.exists():
+        spec = importlib.util.spec_from_file_location(name, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    copy = build_dir / "decoder_layers.cpp"
+    if not copy.exists() or copy.read_bytes() != code:
+        tmp = copy.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(code)
+        os.replace(tmp, copy)  # atomic: concurrent builders see a whole file
+    return cpp_extension.load(name=name, sources=[str(copy)], build_directory=str(build_dir),
+                              extra_cflags=["-O2"], verbose=False)
 
 
 def load_error() -> Optional[str]:
