@@ -5,8 +5,8 @@ At the few rows of a decoder step (a small batch's beams, a batch's tail) MKL ru
 With the weight packed in advance for the exact row count (``cblas_sgemm_pack``, reached
 through ``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``, the kernels
 inductor uses for frozen fp32 linears) the same product ran 1.1-1.3x faster on the
-project's 2-core Intel Xeon, and generation in one process 1.05x (batch 8) to 1.15x
-(batch 64) faster (see benchmarks/results/NOTES.md, "Packed GEMM").
+project's 2-core Intel Xeon, and generation in one process 1.05-1.15x faster at batch 8
+(two runs; see benchmarks/results/NOTES.md, "Packed GEMM").
 
 A packed weight serves only the row count it was packed for (MKL falls back to a plain
 GEMM otherwise) and costs about one copy of the weight, so :class:`RowPacks` packs a row
