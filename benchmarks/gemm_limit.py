@@ -20,7 +20,6 @@ is about the most any lossless speed-up can reach here.
 
     python benchmarks/gemm_limit.py --batch 8 64 --out benchmarks/results/gemm_limit.json
 """
-import argparse
 import collections
 import contextlib
 import json
@@ -31,16 +30,13 @@ from typing import Tuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import assert_same_hypos, batches, generators, load  # noqa: E402
+from one_process import cpu_name, interleaved, load_es_en, parser  # noqa: E402
+from conftest import batches, generators  # noqa: E402
 from fairseq_fastgen.config import FastGenConfig  # noqa: E402
 from fairseq_fastgen.models import fast_decoder, packed_gemm  # noqa: E402
 from fairseq_fastgen.models.padded_projection import PAD_MULTIPLE  # noqa: E402
-from packed_gemm import cpu_name  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -146,18 +142,9 @@ def gemm_limit(model, step_rows: collections.Counter, encoder_rows: collections.
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[8, 64])
-    p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--subset", default="test")
-    p.add_argument("--limit", type=int, default=None, help="batches per run (default: all)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
+    a = parser(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(a.threads)
-    d = ROOT / "examples" / "bible" / "bundle" / "es-en"
-    task, models, cfg = load(d, [d / "checkpoint.pt"], extra=["--source-lang", "es", "--target-lang", "en"])
+    task, models, cfg = load_es_en()
     stock, fast = generators(task, models, FastGenConfig(), beam=a.beam)
     _, python_step = generators(task, models, FastGenConfig(native_step=False), beam=a.beam)
     gens = {"stock": stock, "fastgen native off": python_step, "fastgen": fast}
@@ -166,21 +153,10 @@ def main():
         bs = list(batches(task, cfg, bsz, subset=a.subset, limit=a.limit))
         enc_rows = collections.Counter(b["net_input"]["src_tokens"].numel() for b in bs)
         step_rows: collections.Counter = collections.Counter()
-        best, outs = {}, {}
-        for r in range(a.rounds):
-            for name, g in gens.items():
-                counting = r == 0 and name == "fastgen"
-                with counting_step_rows(step_rows) if counting else contextlib.nullcontext():
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
-                        out = [g.generate(models, b) for b in bs]
-                    took = time.perf_counter() - t0
-                best[name] = min(best.get(name, 1e9), took)  # (counting costs ~1 us a step)
-                if r == 0:
-                    outs[name] = out
-        for name in gens:  # the first round's hypotheses, against stock's
-            for s, f in zip(outs["stock"], outs[name]):
-                assert_same_hypos(s, f, bitwise=False)
+        best = interleaved(  # fastgen's first round counts its step rows (~1 us a step)
+            gens, models, bs, a.rounds,
+            first_round=lambda name: counting_step_rows(step_rows) if name == "fastgen"
+            else contextlib.nullcontext())
         lim = gemm_limit(models[0], step_rows, enc_rows)
         limit = sum(v["in_order"] for v in lim.values())
         row = {"batch": bsz, "sentences": sum(b["id"].numel() for b in bs),
