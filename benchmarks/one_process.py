@@ -5,6 +5,7 @@ Used by benchmarks/packed_gemm.py and benchmarks/gemm_limit.py.
 """
 import argparse
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -68,3 +69,11 @@ def interleaved(gens: Dict[str, object], models, bs: List[dict], rounds: int,
         for s, f in zip(outs["stock"], outs[name]):
             assert_same_hypos(s, f, bitwise=False)
     return best
+
+
+def write_rows(a: argparse.Namespace, rows: List[dict]) -> None:
+    """The run's result (machine, settings, rows) to ``--out``, if given."""
+    result = {"cpu": cpu_name(), "threads": a.threads, "beam": a.beam, "subset": a.subset,
+              "rounds": a.rounds, "lossless": True, "rows": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from one_process import cpu_name, interleaved, load_es_en, parser  # noqa: E402
+from one_process import interleaved, load_es_en, parser, write_rows  # noqa: E402
 from conftest import batches, generators  # noqa: E402
 from fairseq_fastgen.config import FastGenConfig  # noqa: E402
 
@@ -39,10 +39,7 @@ def main():
                "vs_stock": {k: round(best["stock"] / v, 3) for k, v in best.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"cpu": cpu_name(), "threads": a.threads, "beam": a.beam, "subset": a.subset,
-              "rounds": a.rounds, "lossless": True, "rows": rows}
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_rows(a, rows)
 
 
 if __name__ == "__main__":
