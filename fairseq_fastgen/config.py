@@ -95,6 +95,15 @@ class FastGenConfig:
             "without a compiler the Python step runs)"
         },
     )
+    ancestor_kv: bool = field(
+        default=True,
+        metadata={
+            "help": "with the native step: never reorder the self-attention caches; each "
+            "hypothesis reads its history through a table of its ancestors' rows (a beam "
+            "reorder gathers that table, not every layer's keys and values); attention "
+            "summed in another order, lossless mode (CPU, fp32)"
+        },
+    )
     attention: bool = field(
         default=False,
         metadata={
@@ -250,6 +259,7 @@ class FastGenConfig:
             "kv_cache": fast and self.kv_cache,
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
             "native_step": fast and self.native_step and not self.bitwise,
+            "ancestor_kv": fast and self.native_step and self.ancestor_kv and not self.bitwise,
             "continuous_batching=" + self.continuous: (
                 fast and self.continuous != "off" and not self.bitwise),
             "ngram_blocker=" + self.ngram_blocker: on,

@@ -15,7 +15,10 @@
 //            padding mask (bsz, S) (k undefined: the layer has no encoder attention).
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -59,11 +62,78 @@ struct Config {
   double eps1, eps2, eps3;
 };
 
+// A dot product of length n in independent partial sums, so that the compiler can use
+// SIMD lanes without reassociating a single sum (no -ffast-math needed).
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int kLanes = 16;
+  float acc[kLanes] = {0.f};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[d + j] * b[d + j];
+  }
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// Self-attention of one query per hypothesis over its own history, read in place: the
+// step-s key/value of hypothesis h is row anc[h, s] of kbuf[s]/vbuf[s], so the cache is
+// never reordered (a beam reorder only gathers the small anc table).
+//   q: (n, C) scaled queries; kbuf, vbuf: (capacity, n0, C); anc: (n, >= t1) int64.
+Tensor ancestor_attention(const Tensor& q, const Tensor& kbuf, const Tensor& vbuf,
+                          const Tensor& anc, int64_t t1, int64_t heads) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kbuf.is_contiguous() && vbuf.is_contiguous() &&
+              anc.scalar_type() == at::kLong && anc.stride(1) == 1, "ancestor attention inputs");
+  const Tensor qc = q.contiguous();
+  const int64_t n = qc.size(0), c = qc.size(1), n0 = kbuf.size(1), hd = c / heads;
+  const int64_t anc_stride = anc.stride(0);
+  Tensor out = at::empty({n, c}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kbuf.data_ptr<float>();
+  const float* vp = vbuf.data_ptr<float>();
+  const int64_t* ap = anc.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(t1);
+    for (int64_t h = begin; h < end; ++h) {
+      const int64_t* ah = ap + h * anc_stride;
+      for (int64_t g = 0; g < heads; ++g) {
+        const float* qg = qp + h * c + g * hd;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < t1; ++s) {
+          scores[s] = dot(qg, kp + (s * n0 + ah[s]) * c + g * hd, hd);
+          top = std::max(top, scores[s]);
+        }
+        float z = 0.f;
+        for (int64_t s = 0; s < t1; ++s) {
+          scores[s] = std::exp(scores[s] - top);
+          z += scores[s];
+        }
+        float* og = op + h * c + g * hd;
+        for (int64_t d = 0; d < hd; ++d) og[d] = 0.f;
+        for (int64_t s = 0; s < t1; ++s) {
+          const float p = scores[s] / z;
+          const float* vs = vp + (s * n0 + ah[s]) * c + g * hd;
+          for (int64_t d = 0; d < hd; ++d) og[d] += p * vs[d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 Tensor self_attention(const Config& cfg, const Tensor* w, const Tensor& x, Tensor& kbuf,
-                      Tensor& vbuf, int64_t t) {
+                      Tensor& vbuf, int64_t t, const Tensor& anc) {
   const int64_t n = x.size(0), c = x.size(1);
   Tensor qkv = linear(x, w[kQkvWt], w[kQkvB], w[kQkvPack]);
   Tensor q = qkv.slice(1, 0, c).mul(cfg.sa_scaling);
+  if (anc.defined()) {  // rows 0..n-1 of step t: this step's hypotheses (anc[h, t] == h)
+    kbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, c, 2 * c));
+    vbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, 2 * c, 3 * c));
+    Tensor out = ancestor_attention(q, kbuf, vbuf, anc, t + 1, cfg.heads);
+    return linear(out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
+  }
   kbuf.select(0, t).copy_(qkv.slice(1, c, 2 * c));
   vbuf.select(0, t).copy_(qkv.slice(1, 2 * c, 3 * c));
   const int64_t t1 = t + 1, bh = n * cfg.heads;
@@ -103,12 +173,12 @@ std::tuple<Tensor, Tensor> cross_attention(const Config& cfg, const Tensor* w, c
 
 // One decoder layer (TransformerDecoderLayerBase.forward, eval mode, incremental).
 std::tuple<Tensor, Tensor> layer(const Config& cfg, const Tensor* w, Tensor x, Tensor& kbuf,
-                                 Tensor& vbuf, int64_t t, const Tensor* cross, int64_t beam,
-                                 bool need_attn) {
+                                 Tensor& vbuf, int64_t t, const Tensor& anc, const Tensor* cross,
+                                 int64_t beam, bool need_attn) {
   const bool nb = cfg.normalize_before;
   Tensor residual = x;
   if (nb) x = layer_norm(x, w[kLn1W], w[kLn1B], cfg.eps1);
-  x = residual + self_attention(cfg, w, x, kbuf, vbuf, t);
+  x = residual + self_attention(cfg, w, x, kbuf, vbuf, t, anc);
   if (!nb) x = layer_norm(x, w[kLn1W], w[kLn1B], cfg.eps1);
   Tensor attn;
   if (cross[0].defined()) {
@@ -147,7 +217,8 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
                                        const std::vector<std::optional<Tensor>>& cross_in,
                                        int64_t t,
                                        int64_t beam, std::vector<double> scalars,
-                                       std::vector<int64_t> ints, bool need_attn) {
+                                       std::vector<int64_t> ints, bool need_attn,
+                                       const std::optional<Tensor>& ancestors) {
   const std::vector<Tensor> weights = defined_or_not(weights_in);
   const std::vector<Tensor> cross = defined_or_not(cross_in);
   const int64_t layers = static_cast<int64_t>(caches.size() / 2);
@@ -155,12 +226,13 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
   TORCH_CHECK(static_cast<int64_t>(cross.size()) == layers * 3, "cross per layer");
   TORCH_CHECK(scalars.size() == static_cast<size_t>(layers * 5), "scalars per layer");
   TORCH_CHECK(ints.size() == 4, "heads, head_dim, normalize_before, activation");
+  const Tensor anc = ancestors.has_value() ? *ancestors : Tensor();
   Tensor attn;
   for (int64_t i = 0; i < layers; ++i) {
     const double* sc = scalars.data() + i * 5;
     Config cfg{ints[0], ints[1], sc[0], sc[1], ints[2] != 0, ints[3], sc[2], sc[3], sc[4]};
     auto [y, a] = layer(cfg, weights.data() + i * kWeights, x, caches[2 * i], caches[2 * i + 1],
-                        t, cross.data() + 3 * i, beam, need_attn && i == layers - 1);
+                        t, anc, cross.data() + 3 * i, beam, need_attn && i == layers - 1);
     x = y;
     if (a.defined()) attn = a;
   }

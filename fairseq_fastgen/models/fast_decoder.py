@@ -46,9 +46,11 @@ class FastDecoder:
 
     def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
                  bitwise: bool = False, vocab_pad: bool = True, packed_gemm_mb: int = 0,
-                 native: bool = False):
+                 native: bool = False, ancestor_kv: bool = False):
         """native: run the layers of a step in C++ where the model and batch allow
-        (:mod:`~fairseq_fastgen.models.native_step`; same bits as the Python step)."""
+        (:mod:`~fairseq_fastgen.models.native_step`; same bits as the Python step);
+        ancestor_kv: with the native step, never reorder the self-attention caches (see
+        :meth:`reorder`)."""
         self.stack = DecoderStack(model, bitwise=bitwise, vocab_pad=vocab_pad,
                                   packed_gemm_mb=packed_gemm_mb)
         self.model = model
@@ -66,6 +68,8 @@ class FastDecoder:
         self._native_wanted = native
         self._native: Optional[native_step.NativeLayers] = None
         self._native_now = False  # this batch runs the C++ layers
+        self._ancestor_kv = ancestor_kv
+        self._anc: Optional[Tensor] = None  # (n, max_len+1) int64 in ancestor mode
 
     # ---- per batch ----------------------------------------------------------------
 
@@ -101,9 +105,25 @@ class FastDecoder:
             c is None or c.per_sentence for c in self.cross)
         self._native_now = self._native is not None and self.kv_cache and all(
             c is None or c.merged for c in self.cross)
+        self._anc = None
+        if self._native_now and self._ancestor_kv and dtype == torch.float32:
+            self._anc = torch.empty(n, max_len + 1, dtype=torch.long, device=dev)
+            self._anc[:, 0] = torch.arange(n, device=dev)
 
     def reorder(self, order: Tensor) -> None:
-        """order: (n_new,) int64 row of the previous step each new hypothesis continues."""
+        """order: (n_new,) int64 row of the previous step each new hypothesis continues.
+
+        In ancestor mode the caches stay where they are: hypothesis h's step-s key/value
+        is row ``anc[h, s]`` of step s, so a reorder gathers the (n, t) index table, not
+        every layer's (t, n, C) keys and values (19% of generation at batch 64 on the
+        bundled model; see benchmarks/results/NOTES.md, "Ancestor-indexed KV cache")."""
+        if self._anc is not None:
+            t = self.step_idx
+            n = order.numel()
+            self._anc[:n, :t] = self._anc[:, :t].index_select(0, order)
+            self._anc = self._anc[:n]
+            self._anc[:, t] = torch.arange(n, device=order.device)
+            return
         spare = self._spare
         if spare is not None and self.self_kv and \
                 spare[0].numel() < self.self_kv[0].k[:, :1].numel() * order.numel():
@@ -134,7 +154,8 @@ class FastDecoder:
         x = self.stack.embed(tokens[::rep, -1:], positions)  # (n, C): one query per hypothesis
 
         if self._native_now and rep == 1:
-            x, attn = self._native(x, self.self_kv, self.cross, t, self.beam, need_attn)
+            x, attn = self._native(x, self.self_kv, self.cross, t, self.beam, need_attn,
+                                   ancestors=self._anc)
         else:
             def self_attention(i: int, l: LayerWeights, x: Tensor) -> Tensor:
                 return self._self_attention(l, self.self_kv[i], x, rep)

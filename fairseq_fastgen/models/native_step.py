@@ -61,7 +61,12 @@ def _import_or_build():
     from torch.utils import cpp_extension
 
     code = source().read_bytes()
-    tag = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:16]
+    cpu = _cpu_flags()
+    # -march=native: the build is for this CPU, so its flags are part of the build's name
+    # (a home directory shared by different machines gets one build per kind of CPU)
+    cflags = ["-O3", "-march=native"] if cpu else ["-O3"]
+    key = code + torch.__version__.encode() + cpu.encode() + " ".join(cflags).encode()
+    tag = hashlib.sha256(key).hexdigest()[:16]
     name = f"fastgen_decoder_layers_{tag}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
@@ -76,7 +81,19 @@ def _import_or_build():
         tmp.write_bytes(code)
         os.replace(tmp, copy)  # atomic: concurrent builders see a whole file
     return cpp_extension.load(name=name, sources=[str(copy)], build_directory=str(build_dir),
-                              extra_cflags=["-O2"], verbose=False)
+                              extra_cflags=cflags, verbose=False)
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags of this CPU (Linux x86 /proc/cpuinfo), '' if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def load_error() -> Optional[str]:
@@ -187,11 +204,13 @@ class NativeLayers:
             out += [*_norm(layer.final_layer_norm)[:2], *_proj(l.fc1, rows), *_proj(l.fc2, rows)]
         return out
 
-    def __call__(self, x: Tensor, self_kv, cross, t: int, beam: int, need_attn: bool
-                 ) -> Tuple[Tensor, Optional[Tensor]]:
+    def __call__(self, x: Tensor, self_kv, cross, t: int, beam: int, need_attn: bool,
+                 ancestors: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """x: (n, C) embedded queries at step t; self_kv: each layer's KVCache (t keys so
-        far); cross: each layer's CrossAttentionCache (merged) or None.  Returns (n, C)
-        and the last layer's head-averaged cross-attention (n, S) if need_attn."""
+        far); cross: each layer's CrossAttentionCache (merged) or None; ancestors: (n,
+        >= t+1) int64, the row of each step holding each hypothesis's key/value (column
+        t: the hypothesis itself), or None: the caches are in hypothesis order.  Returns
+        (n, C) and the last layer's head-averaged cross-attention (n, S) if need_attn."""
         caches: List[Tensor] = []
         for c in self_kv:
             caches += c.next_slot()
@@ -199,7 +218,7 @@ class NativeLayers:
         for c in cross:
             xs += [None, None, None] if c is None else [c.k, c.v, c.pad]
         out, attn = self.module.layers_step(x, self.weights(x.size(0)), caches, xs, t, beam,
-                                            self.scalars, self.ints, need_attn)
+                                            self.scalars, self.ints, need_attn, ancestors)
         for c in self_kv:
             c.advance()
         return out, attn

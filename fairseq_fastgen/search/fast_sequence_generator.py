@@ -148,7 +148,8 @@ class FastSequenceGenerator(SequenceGenerator):
             self._fast_decoders = [
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
-                            packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step)
+                            packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step,
+                            ancestor_kv=cfg.ancestor_kv)
                 for m in self.model.models
             ]
         return self._fast_decoders
