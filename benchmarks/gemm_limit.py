@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One process: stock vs fastgen (native decoder step off / on) vs the GEMM-bound limit.
+"""One process: stock vs fastgen (native step, ancestor KV ablations) vs the GEMM-bound limit.
 
 Each generator decodes the same batches of the bundled es->en test set in this process
 (2 torch threads by default: the decoding of ``--fastgen-decode-workers 1``), interleaved,
@@ -147,7 +147,9 @@ def main():
     task, models, cfg = load_es_en()
     stock, fast = generators(task, models, FastGenConfig(), beam=a.beam)
     _, python_step = generators(task, models, FastGenConfig(native_step=False), beam=a.beam)
-    gens = {"stock": stock, "fastgen native off": python_step, "fastgen": fast}
+    _, reordered = generators(task, models, FastGenConfig(ancestor_kv=False), beam=a.beam)
+    gens = {"stock": stock, "fastgen native off": python_step,
+            "fastgen ancestor kv off": reordered, "fastgen": fast}
     rows = []
     for bsz in a.batch:
         bs = list(batches(task, cfg, bsz, subset=a.subset, limit=a.limit))
