@@ -2,11 +2,11 @@
 // arithmetic (fairseq_fastgen/models/layers.py, fast_decoder.py, cached_attention.py)
 // operation for operation, called from C++ instead of Python.
 //
-// Why: at the few rows of a decoder step (a small batch's beams, a batch's tail) the
-// step is mostly the fixed cost of ~100 eager operations, each parsed and dispatched from
-// Python (measured: 1.8 ms at 5 rows against 2.9 ms at 40 on the bundled 3-layer model).
-// The same ATen calls with the same shapes, made here, give the same bits as the Python
-// step (tests/test_native_step.py checks it) at a fraction of the dispatch cost.
+// Why: a step of the Python layers makes ~100 eager calls, each parsed and dispatched
+// from Python. The same ATen calls with the same shapes, made here, give the same bits as
+// the Python step (tests/test_native_step.py checks it) at less dispatch cost (figures:
+// fairseq_fastgen/models/native_step.py). With an ancestor table the self-attention is
+// this file's own kernel (ancestor_attention), which sums in another order.
 //
 // Layout of the per-layer inputs (see fairseq_fastgen/models/native_step.py):
 //   weights: per layer kWeights tensors (undefined = absent), in the order of enum W;

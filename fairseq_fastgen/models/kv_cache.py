@@ -7,6 +7,11 @@ step (``index_select`` in ``reorder_incremental_state`` and ``torch.cat`` in att
 Attention reads the prefix as a strided ``(n*heads, t, head_dim)`` view whose strides do
 not depend on the capacity; batched GEMM on it gives the same bits as on a contiguous copy.
 
+With the native step's ancestor-indexed attention (``--fastgen-ancestor-kv``, the default)
+the caches are only appended to: :class:`~fairseq_fastgen.models.fast_decoder.FastDecoder`
+keeps which row of each step holds each hypothesis's keys/values and never calls
+:meth:`KVCache.reorder`.
+
 Memory: the layers of a decoder share one spare pair, handed from layer to layer by
 :meth:`KVCache.reorder` (the buffers a layer leaves are the next layer's spare), so L
 layers hold 2L + 2 buffers, not 4L.  The first capacity comes from the caller (the source

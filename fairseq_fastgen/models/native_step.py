@@ -1,19 +1,20 @@
 """The decoder layers of one incremental step in C++ (``csrc/decoder_layers.cpp``).
 
-At the few rows of a decoder step most of its time is the fixed cost of ~100 eager
-operations parsed and dispatched from Python: on the bundled 3-layer es->en model a step
-took 1.8 ms at 5 rows against 2.9 ms at 40 (Intel Xeon, 2 threads; see
-benchmarks/results/NOTES.md, "Native decoder step").  The C++ source makes the same ATen
-calls on the same shapes as :class:`~fairseq_fastgen.models.layers.DecoderStack` in
-lossless mode, so it gives the same bits as the Python step (tests/test_native_step.py);
-only the dispatch is cheaper.
+A step of the Python layers makes ~100 eager calls, each parsed and dispatched from Python;
+making the same ATen calls on the same shapes from C++ took a step of the bundled 3-layer
+es->en model from 1.82 to 1.59 ms at 5 rows and from 2.94 to 2.72 ms at 40 (Intel Xeon, 2
+threads; see benchmarks/results/NOTES.md, "Native decoder step"), with the same bits as
+the Python step of :class:`~fairseq_fastgen.models.layers.DecoderStack` in lossless mode
+(tests/test_native_step.py).  With ``ancestor_kv`` the self-attention is the source's own
+kernel instead (``ancestor_attention``: the caches are read in place through an ancestor
+table, see :meth:`FastDecoder.reorder`); that one sums in another order (lossless mode).
 
-The extension is compiled once per torch version and source by
-``torch.utils.cpp_extension.load`` (about 30-60 s with g++; ``make install`` does it, and
-``python -m fairseq_fastgen build-native``), cached under ``TORCH_EXTENSIONS_DIR``
-(default ``~/.cache/torch_extensions``).  Where it cannot be built (no compiler) or a
-model has something the C++ step does not mirror, the Python step runs, after one log
-line saying why.
+The extension is compiled once per torch version, source and kind of CPU (``-O3
+-march=native``) by ``torch.utils.cpp_extension.load`` (about 30-60 s with g++; ``make
+install`` does it, and ``python -m fairseq_fastgen build-native``), cached under
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).  Where it cannot be
+built (no compiler) or a model has something the C++ step does not mirror, the Python step
+runs, after one log line saying why.
 """
 import hashlib
 import importlib.util
