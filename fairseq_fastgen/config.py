@@ -86,24 +86,12 @@ class FastGenConfig:
             "whose projections outgrow it runs plain GEMMs"
         },
     )
-    native_step: bool = field(
-        default=True,
-        metadata={
-            "help": "run the decoder layers of a step through a small C++ extension "
-            "(compiled once with g++ by torch.utils.cpp_extension, cached): the same "
-            "operations as the Python step with less dispatch cost (CPU, lossless mode; "
-            "without a compiler the Python step runs)"
-        },
-    )
-    ancestor_kv: bool = field(
-        default=True,
-        metadata={
-            "help": "with the native step: never reorder the self-attention caches; each "
-            "hypothesis reads its history through a table of its ancestors' rows (a beam "
-            "reorder gathers that table, not every layer's keys and values); attention "
-            "summed in another order, lossless mode (CPU, fp32)"
-        },
-    )
+    native_step: bool = field(default=True, metadata={"help": (
+        "decoder layers of a step from a C++ extension (compiled once by torch, cached): "
+        "the Python step's operations, less dispatch; CPU, lossless mode")})
+    ancestor_kv: bool = field(default=True, metadata={"help": (
+        "with native_step: self-attention caches never reordered, read through a table "
+        "of each hypothesis's ancestor rows; lossless mode, CPU fp32")})
     attention: bool = field(
         default=False,
         metadata={
