@@ -70,6 +70,7 @@ class FastDecoder:
         self._native_now = False  # this batch runs the C++ layers
         self._ancestor_kv = ancestor_kv
         self._anc: Optional[Tensor] = None  # (n, max_len+1) int64 in ancestor mode
+        self._rows: Optional[Tensor] = None  # arange(n) of the batch, in ancestor mode
 
     # ---- per batch ----------------------------------------------------------------
 
@@ -107,8 +108,9 @@ class FastDecoder:
             c is None or c.merged for c in self.cross)
         self._anc = None
         if self._native_now and self._ancestor_kv and dtype == torch.float32:
+            self._rows = torch.arange(n, device=dev)  # column t of every step: row h is h
             self._anc = torch.empty(n, max_len + 1, dtype=torch.long, device=dev)
-            self._anc[:, 0] = torch.arange(n, device=dev)
+            self._anc[:, 0] = self._rows
 
     def reorder(self, order: Tensor) -> None:
         """order: (n_new,) int64 row of the previous step each new hypothesis continues.
@@ -122,7 +124,7 @@ class FastDecoder:
             n = order.numel()
             self._anc[:n, :t] = self._anc[:, :t].index_select(0, order)
             self._anc = self._anc[:n]
-            self._anc[:, t] = torch.arange(n, device=order.device)
+            self._anc[:, t] = self._rows[:n]
             return
         spare = self._spare
         if spare is not None and self.self_kv and \

@@ -7,7 +7,7 @@ step (``index_select`` in ``reorder_incremental_state`` and ``torch.cat`` in att
 Attention reads the prefix as a strided ``(n*heads, t, head_dim)`` view whose strides do
 not depend on the capacity; batched GEMM on it gives the same bits as on a contiguous copy.
 
-With the native step's ancestor-indexed attention (``--fastgen-ancestor-kv``, the default)
+With the native step's ancestor-indexed attention (``ancestor_kv``, on by default)
 the caches are only appended to: :class:`~fairseq_fastgen.models.fast_decoder.FastDecoder`
 keeps which row of each step holds each hypothesis's keys/values and never calls
 :meth:`KVCache.reorder`.
