@@ -9,7 +9,7 @@ STAMP := $(VENV)/.fastgen-installed
 
 .PHONY: demo test install clean-venv bench bench-suite bench-quick test-b demo-b fuzz
 
-$(STAMP): setup.py requirements-a.txt fairseq_fastgen/csrc/decoder_layers.cpp
+$(STAMP): setup.py requirements-a.txt $(wildcard fairseq_fastgen/csrc/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-a.txt

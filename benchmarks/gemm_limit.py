@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One process: stock vs fastgen (native step, ancestor KV ablations) vs the GEMM-bound limit.
+"""One process: stock vs fastgen (and its ablations) vs the GEMM-bound limit.
 
 Each generator decodes the same batches of the bundled es->en test set in this process
 (2 torch threads by default: the decoding of ``--fastgen-decode-workers 1``), interleaved,
@@ -148,8 +148,11 @@ def main():
     stock, fast = generators(task, models, FastGenConfig(), beam=a.beam)
     _, python_step = generators(task, models, FastGenConfig(native_step=False), beam=a.beam)
     _, reordered = generators(task, models, FastGenConfig(ancestor_kv=False), beam=a.beam)
+    _, fresh_kv = generators(task, models, FastGenConfig(kv_reuse=False), beam=a.beam)
+    _, py_cands = generators(task, models, FastGenConfig(native_candidates=False), beam=a.beam)
     gens = {"stock": stock, "fastgen native off": python_step,
-            "fastgen ancestor kv off": reordered, "fastgen": fast}
+            "fastgen ancestor kv off": reordered, "fastgen kv reuse off": fresh_kv,
+            "fastgen native candidates off": py_cands, "fastgen": fast}
     rows = []
     for bsz in a.batch:
         bs = list(batches(task, cfg, bsz, subset=a.subset, limit=a.limit))

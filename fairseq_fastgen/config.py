@@ -47,28 +47,19 @@ class FastGenConfig:
             "lossless mode, which reorders some reductions: scores agree to ~1e-6)"
         },
     )
-    shared_encoder: bool = field(
-        default=True,
-        metadata={
-            "help": "beam-shared encoder states: encoder output and encoder-decoder "
-            "keys/values kept once per sentence, never replicated per beam nor reordered"
-        },
-    )
-    kv_cache: bool = field(
-        default=True,
-        metadata={
-            "help": "preallocated self-attention key/value cache written and reordered "
-            "in place (no torch.cat or allocation per step)"
-        },
-    )
-    fast_decoder: bool = field(
-        default=True,
-        metadata={
-            "help": "drive fairseq's TransformerDecoder layers with a lean incremental step "
-            "(fused q/k/v projection, no per-step dict state); needed by shared_encoder "
-            "and kv_cache"
-        },
-    )
+    shared_encoder: bool = field(default=True, metadata={"help": (
+        "beam-shared encoder states: encoder output and encoder-decoder "
+        "keys/values kept once per sentence, never replicated per beam nor reordered")})
+    kv_cache: bool = field(default=True, metadata={"help": (
+        "preallocated self-attention key/value cache written and reordered "
+        "in place (no torch.cat or allocation per step)")})
+    kv_reuse: bool = field(default=True, metadata={"help": (
+        "with kv_cache: a batch's caches take over the last batch's buffers when large "
+        "enough (no fresh pages to fault in); keeps that memory between batches")})
+    fast_decoder: bool = field(default=True, metadata={"help": (
+        "drive fairseq's TransformerDecoder layers with a lean incremental step "
+        "(fused q/k/v projection, no per-step dict state); needed by shared_encoder "
+        "and kv_cache")})
     vocab_pad: bool = field(
         default=True,
         metadata={
@@ -92,6 +83,9 @@ class FastGenConfig:
     ancestor_kv: bool = field(default=True, metadata={"help": (
         "with native_step: self-attention caches never reordered, read through a table "
         "of each hypothesis's ancestor rows; lossless mode, CPU fp32")})
+    native_candidates: bool = field(default=True, metadata={"help": (
+        "beam candidates from one C++ pass over the log-probabilities (the C++ extension "
+        "of native_step); lossless mode, CPU fp32")})
     attention: bool = field(
         default=False,
         metadata={
@@ -245,9 +239,11 @@ class FastGenConfig:
             "fast_decoder": fast,
             "shared_encoder": fast and self.shared_encoder,
             "kv_cache": fast and self.kv_cache,
+            "kv_reuse": fast and self.kv_cache and self.kv_reuse,
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
             "native_step": fast and self.native_step and not self.bitwise,
             "ancestor_kv": fast and self.native_step and self.ancestor_kv and not self.bitwise,
+            "native_candidates": fast and self.native_candidates and not self.bitwise,
             "continuous_batching=" + self.continuous: (
                 fast and self.continuous != "off" and not self.bitwise),
             "ngram_blocker=" + self.ngram_blocker: on,

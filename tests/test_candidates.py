@@ -5,7 +5,11 @@ import pytest
 import torch
 from fairseq.search import BeamSearch
 
+from fairseq_fastgen.models import native_step
 from fairseq_fastgen.search.candidates import beam_search_step, top_candidates
+
+needs_native = pytest.mark.skipif(native_step.load() is None,
+                                  reason=f"no C++ extension ({native_step.load_error()})")
 
 
 class _Dict:
@@ -25,7 +29,8 @@ class _Dict:
 @pytest.mark.parametrize("vocab,width", [(6003, 6016), (6016, 6016), (130, 130), (50, 50)])
 @pytest.mark.parametrize("step", [0, 4])
 @pytest.mark.parametrize("beam", [1, 5])
-def test_same_candidates_as_beam_search(vocab, width, step, beam):
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+def test_same_candidates_as_beam_search(vocab, width, step, beam, native):
     g = torch.Generator().manual_seed(vocab + step + beam)
     stock = BeamSearch(_Dict())
     for trial in range(6):
@@ -41,7 +46,7 @@ def test_same_candidates_as_beam_search(vocab, width, step, beam):
             lp[:, 7] = keep
         scores = torch.randn(bsz, beam, step + 1, generator=g) * 5
         want = stock.step(step, lp.view(bsz, beam, vocab), scores)
-        got = beam_search_step(step, lp.view(bsz, beam, vocab), scores, beam)
+        got = beam_search_step(step, lp.view(bsz, beam, vocab), scores, beam, native)
         assert torch.equal(want[0], got[0])  # the same sums, as stock computes them
         finite = want[0].isfinite()
         # where sums are finite and distinct, the same (word, beam): ties may come in any order
@@ -61,3 +66,32 @@ def test_all_chunks_pruned_but_the_right_ones():
     assert torch.equal(v[0], torch.arange(9, -1, -1, dtype=torch.float) - 5)
     assert torch.equal(w[0], torch.arange(73, 63, -1))
     assert bool((b == 2).all())
+
+
+@needs_native
+def test_native_candidates_ties_lowest_first_and_small_vocabularies():
+    """Equal sums: lowest (beam, word) first; k up to beams * vocab; -inf kept when fewer
+    finite sums than k, as torch.topk keeps them."""
+    m = native_step.load()
+    lp = torch.zeros(2, 3, 40)
+    lp[:, :, 5] = 1.0
+    v, w, b = m.beam_candidates(lp, torch.zeros(2, 3), 4)
+    assert torch.equal(v, torch.tensor([[1.0, 1.0, 1.0, 0.0]] * 2))
+    assert torch.equal(w, torch.tensor([[5, 5, 5, 0]] * 2))
+    assert torch.equal(b, torch.tensor([[0, 1, 2, 0]] * 2))
+    lp = torch.full((1, 2, 3), -math.inf)
+    lp[0, 1, 2] = -1.0
+    v, w, b = m.beam_candidates(lp, torch.tensor([[0.5, -0.5]]), 5)
+    assert v[0, 0] == -1.5 and w[0, 0] == 2 and b[0, 0] == 1
+    assert bool(torch.isinf(v[0, 1:]).all())
+    assert len({(int(x), int(y)) for x, y in zip(w[0], b[0])}) == 5  # no pair twice
+
+
+@needs_native
+def test_native_candidates_fall_back_off_cpu_float32():
+    """float64 rows (or any row the kernel does not take) get the Python candidates."""
+    lp = torch.log_softmax(torch.randn(3 * 2, 300, dtype=torch.float64), -1).view(3, 2, 300)
+    scores = torch.randn(3, 2, 2, dtype=torch.float64)
+    want = beam_search_step(1, lp, scores, 2, native=False)
+    got = beam_search_step(1, lp, scores, 2, native=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -63,3 +63,22 @@ def test_growth_stops_at_the_limit_then_steps_by_one():
     for _ in range(5):  # one past the limit: forced (prefix) decoding may write it
         c.append(torch.ones(2, 4), torch.ones(2, 4))
     assert c.t == 5 and c.k.size(0) == 5
+
+
+def test_a_new_cache_takes_over_large_enough_buffers():
+    """reuse: the last batch's buffers serve the next batch when they hold its first
+    capacity (no fresh pages to fault in), with as many positions as they fit; too small
+    or another dtype: new buffers.  Only positions written by the new cache are read."""
+    old = KVCache(8, 4, max_steps=50, device="cpu", dtype=torch.float32, initial=20)
+    for _ in range(3):
+        old.append(torch.randn(8, 4), torch.randn(8, 4))
+    new = KVCache(4, 4, max_steps=50, device="cpu", dtype=torch.float32, initial=10, reuse=old)
+    assert new.k.data_ptr() == old.k.data_ptr() and new.v.data_ptr() == old.v.data_ptr()
+    assert new.k.shape == (40, 4, 4) and new.k.is_contiguous()  # 8*20 rows-steps of room
+    k, v = torch.randn(4, 4), torch.randn(4, 4)
+    keys, values = new.append(k, v)
+    assert keys.shape == (1, 4, 4) and torch.equal(keys[0], k) and torch.equal(values[0], v)
+    big = KVCache(16, 4, max_steps=50, device="cpu", dtype=torch.float32, initial=20, reuse=old)
+    assert big.k.data_ptr() != old.k.data_ptr() and big.k.shape == (20, 16, 4)
+    other = KVCache(4, 4, max_steps=50, device="cpu", dtype=torch.float64, initial=10, reuse=old)
+    assert other.k.dtype == torch.float64 and other.k.data_ptr() != old.k.data_ptr()

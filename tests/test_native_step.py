@@ -121,6 +121,27 @@ def test_bundled_model_generation_same_with_and_without(caplog):
     assert py._decoders()[0]._native is None
 
 
+@needs_native
+def test_bundled_model_kv_reuse_and_native_candidates_lossless():
+    """Caches taking over the buffers of batches of other sizes (larger, then smaller,
+    then larger again) and the C++ candidates: stock's hypotheses; switched off: too."""
+    from conftest import bundled
+    m = bundled("es-en")
+    task, models, cfg = load(m.data, [m.path], extra=["--source-lang", m.src,
+                                                       "--target-lang", m.tgt])
+    stock, fast = generators(task, models, FastGenConfig(), beam=5)
+    _, off = generators(task, models, FastGenConfig(kv_reuse=False, native_candidates=False),
+                        beam=5)
+    ptrs = []
+    for bsz in (12, 3, 20):
+        for b in batches(task, cfg, bsz, limit=1):
+            s = stock.generate(models, b)
+            assert_same_hypos(s, fast.generate(models, b), bitwise=False)
+            assert_same_hypos(s, off.generate(models, b), bitwise=False)
+            ptrs.append(fast._decoders()[0].self_kv[0].k.data_ptr())
+    assert ptrs[1] == ptrs[0]  # the batch of 3 decoded in the batch of 12's buffers
+
+
 def test_unsupported_models_and_modes_run_the_python_step(tiny, caplog):
     task, models, cfg = load(tiny.data, [tiny.postln])
     layer = models[0].decoder.layers[0]
@@ -150,6 +171,8 @@ def test_without_a_compiler_the_python_step_serves(tiny, caplog, monkeypatch):
         b = next(iter(batches(task, cfg, 3)))
         assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=False)
     assert "C++ extension unavailable (RuntimeError: no g++)" in caplog.text
+    assert "native candidates off (C++ extension unavailable (RuntimeError: no g++))" \
+        in caplog.text
 
 
 def test_switch_on_the_command_line_and_in_the_log_line(tiny):
@@ -159,8 +182,10 @@ def test_switch_on_the_command_line_and_in_the_log_line(tiny):
     before = fg_config.active()
     try:
         options.parse_args_and_arch(options.get_generation_parser(),
-                                    [str(tiny.data), "--fastgen-no-native-step"])
-        assert fg_config.active().native_step is False
+                                    [str(tiny.data), "--fastgen-no-native-step",
+                                     "--fastgen-no-native-candidates", "--fastgen-no-kv-reuse"])
+        active = fg_config.active()
+        assert not (active.native_step or active.native_candidates or active.kv_reuse)
     finally:
         fg_config.set_active(before)
     assert "native_step" in FastGenConfig().describe()

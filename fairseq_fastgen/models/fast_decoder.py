@@ -46,11 +46,12 @@ class FastDecoder:
 
     def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
                  bitwise: bool = False, vocab_pad: bool = True, packed_gemm_mb: int = 0,
-                 native: bool = False, ancestor_kv: bool = False):
+                 native: bool = False, ancestor_kv: bool = False, kv_reuse: bool = False):
         """native: run the layers of a step in C++ where the model and batch allow
         (:mod:`~fairseq_fastgen.models.native_step`; same bits as the Python step);
         ancestor_kv: with the native step, never reorder the self-attention caches (see
-        :meth:`reorder`)."""
+        :meth:`reorder`); kv_reuse: a batch's caches take over the last batch's buffers
+        (see :mod:`~fairseq_fastgen.models.kv_cache`)."""
         self.stack = DecoderStack(model, bitwise=bitwise, vocab_pad=vocab_pad,
                                   packed_gemm_mb=packed_gemm_mb)
         self.model = model
@@ -69,6 +70,7 @@ class FastDecoder:
         self._native: Optional[native_step.NativeLayers] = None
         self._native_now = False  # this batch runs the C++ layers
         self._ancestor_kv = ancestor_kv
+        self._kv_reuse = kv_reuse
         self._anc: Optional[Tensor] = None  # (n, max_len+1) int64 in ancestor mode
         self._rows: Optional[Tensor] = None  # arange(n) of the batch, in ancestor mode
 
@@ -93,11 +95,13 @@ class FastDecoder:
         n = bsz * beam
         dev, dtype = self.stack.device_dtype()
         cap = first_capacity(_source_length(encoder_out), max_len + 1)
-        self.self_kv = [
-            KVCache(n, l.dim, max_len + 1, dev, dtype, preallocate=self.kv_cache, initial=cap)
-            for l in self.stack.layers
-        ]
-        self._spare = None
+        old = self.self_kv if self._kv_reuse and len(self.self_kv) == len(self.stack.layers) \
+            else [None] * len(self.stack.layers)  # the last batch's, taken over if large enough
+        self.self_kv = [KVCache(n, l.dim, max_len + 1, dev, dtype, reuse=prev,
+                                preallocate=self.kv_cache, initial=cap)
+                        for l, prev in zip(self.stack.layers, old)]
+        if not self._kv_reuse:
+            self._spare = None
         self.cross = self.stack.cross_caches(encoder_out, beam, shared=self.shared_encoder)
         # At step 0 every hypothesis of a sentence is the same (BOS, empty history): in
         # lossless mode one row per sentence is computed and copied to the beam (fewer

@@ -18,6 +18,13 @@ layers hold 2L + 2 buffers, not 4L.  The first capacity comes from the caller (t
 length and a margin, see :func:`first_capacity`) and grows by 1.25x, instead of 64
 positions doubling: at beam 5, batch 64 a worker held ~250 MB of mostly unused cache at 20-token
 sentences (benchmarks/results/long_memory.md).
+
+A batch's caches take over the previous batch's buffers when they are large enough
+(``reuse``): a fresh multi-megabyte buffer is mapped by the allocator and every page of it
+faults on its first write, which made the per-step cache writes 20% of the C++ layer time
+at batch 64 (see benchmarks/results/NOTES.md, "KV buffers kept across batches").  So a
+decoder keeps its largest batch's cache memory between batches (never more than that
+batch's own peak).
 """
 from typing import Optional, Tuple
 
@@ -49,13 +56,24 @@ class KVCache:
     """Keys and values of one self-attention layer for ``n`` hypotheses."""
 
     def __init__(self, n: int, dim: int, max_steps: int, device, dtype, preallocate=True,
-                 initial: int = 64):
+                 initial: int = 64, reuse: Optional["KVCache"] = None):
+        """reuse: a finished cache whose buffers this one may take (its contents are not
+        read: only positions written by this cache are)."""
         self.dim = dim
         self.max_steps = max_steps
         self.preallocate = preallocate
         cap = min(max_steps, initial) if preallocate else 0
-        self.k = torch.empty(cap, n, dim, device=device, dtype=dtype)
-        self.v = torch.empty_like(self.k)
+        self.k = self.v = None
+        if preallocate and reuse is not None and n > 0 and reuse.k.dtype == dtype and \
+                reuse.k.device == torch.device(device):
+            # as many positions as the old buffers hold, up to the limit: fewer growths
+            fits = min(max_steps, min(reuse.k.numel(), reuse.v.numel()) // (n * dim))
+            if fits >= cap:
+                self.k = _fit(reuse.k, (fits, n, dim))
+                self.v = _fit(reuse.v, (fits, n, dim))
+        if self.k is None or self.v is None:
+            self.k = torch.empty(cap, n, dim, device=device, dtype=dtype)
+            self.v = torch.empty_like(self.k)
         self.t = 0
 
     def append(self, k: Tensor, v: Tensor, rep: int = 1) -> Tuple[Tensor, Tensor]:

@@ -35,8 +35,10 @@ _module = None
 _load_error: Optional[str] = None
 
 
-def source() -> Path:
-    return Path(__file__).resolve().parents[1] / "csrc" / "decoder_layers.cpp"
+def sources() -> List[Path]:
+    """The extension's C++ files: the layers (with the module definition) first."""
+    d = Path(__file__).resolve().parents[1] / "csrc"
+    return [d / "decoder_layers.cpp", d / "beam_candidates.cpp"]
 
 
 def load():
@@ -61,7 +63,8 @@ def load():
 def _import_or_build():
     from torch.utils import cpp_extension
 
-    code = source().read_bytes()
+    codes = [p.read_bytes() for p in sources()]
+    code = b"".join(codes)
     cpu = _cpu_flags()
     # -march=native: the build is for this CPU, so its flags are part of the build's name
     # (a home directory shared by different machines gets one build per kind of CPU)
@@ -76,12 +79,15 @@ def _import_or_build():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    copy = build_dir / "decoder_layers.cpp"
-    if not copy.exists() or copy.read_bytes() != code:
-        tmp = copy.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(code)
-        os.replace(tmp, copy)  # atomic: concurrent builders see a whole file
-    return cpp_extension.load(name=name, sources=[str(copy)], build_directory=str(build_dir),
+    copies = []
+    for src, text in zip(sources(), codes):
+        copy = build_dir / src.name
+        if not copy.exists() or copy.read_bytes() != text:
+            tmp = copy.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(text)
+            os.replace(tmp, copy)  # atomic: concurrent builders see a whole file
+        copies.append(str(copy))
+    return cpp_extension.load(name=name, sources=copies, build_directory=str(build_dir),
                               extra_cflags=cflags, verbose=False)
 
 

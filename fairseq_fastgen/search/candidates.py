@@ -15,13 +15,25 @@ computed exactly as stock computes it (``lprob + score`` in float32), so the val
 stock's; only the order among exactly equal sums may differ from ``torch.topk``'s over the
 full row (a tie, which the lossless definition of docs/lossless.md allows; bitwise mode keeps
 fairseq's ``BeamSearch.step``).
+
+With ``native`` (``--fastgen-no-native-candidates`` switches it off) CPU float32 rows go to
+the C++ extension's ``beam_candidates`` (``csrc/beam_candidates.cpp``): one pass per
+sentence keeping its k best sums, a block of 16 words looked at only when one of its sums
+(computed as above) beats the k-th best; the same values, equal sums lowest (beam, word)
+first.  At batch 8, beam 5 it took candidate selection from ~110 to ~30 us per step
+(benchmarks/results/NOTES.md, "Native beam candidates").
 """
+import logging
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ..models import native_step
+
 CHUNK = 64
+logger = logging.getLogger(__name__)
+_logged = []
 
 
 def top_candidates(lprobs: Tensor, scores: Optional[Tensor], k: int,
@@ -77,13 +89,24 @@ def _full_topk(lprobs: Tensor, scores: Optional[Tensor], k: int):
     return values, idx - beam * vocab, beam
 
 
-def beam_search_step(step: int, lprobs: Tensor, scores: Tensor, beam_size: int):
+def beam_search_step(step: int, lprobs: Tensor, scores: Tensor, beam_size: int,
+                     native: bool = False):
     """Drop-in for fairseq ``BeamSearch.step`` (no constraints): lprobs (bsz, beam, V),
-    scores (bsz, beam, step) float. Returns (scores, words, beams), each (bsz, 2*beam)."""
+    scores (bsz, beam, step) float. Returns (scores, words, beams), each (bsz, 2*beam).
+    native: the C++ pass for CPU float32 rows (see the module doc)."""
     bsz, _, vocab = lprobs.shape
     if step == 0:  # all hypotheses are equal: only the first beam, as fairseq does
         lprobs, cum = lprobs[:, :1], None
     else:
         cum = scores[:, :, step - 1]
     k = min(2 * beam_size, lprobs.size(1) * vocab - 1)
+    if native and lprobs.device.type == "cpu" and lprobs.dtype == torch.float32 and \
+            lprobs.stride(-1) == 1:
+        module = native_step.load()
+        if module is not None:
+            return module.beam_candidates(lprobs, cum, k)
+        if not _logged:
+            _logged.append(True)
+            logger.info("fairseq-fastgen: native candidates off (C++ extension unavailable "
+                        "(%s)); Python candidates", native_step.load_error())
     return top_candidates(lprobs, cum, k)

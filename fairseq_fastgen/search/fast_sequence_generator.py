@@ -149,7 +149,7 @@ class FastSequenceGenerator(SequenceGenerator):
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
                             packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step,
-                            ancestor_kv=cfg.ancestor_kv)
+                            ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse)
                 for m in self.model.models
             ]
         return self._fast_decoders
@@ -201,7 +201,8 @@ class FastSequenceGenerator(SequenceGenerator):
                 near[0] = out[3] + near[0]
                 return out[:3]
         else:
-            select = lambda step, lp, sc, *_: beam_search_step(step, lp, sc, beam_size)  # noqa: E731
+            def select(step, lp, sc, *_):
+                return beam_search_step(step, lp, sc, beam_size, self.fastgen.native_candidates)
 
         reorder_state: Optional[Tensor] = None
         batch_idxs: Optional[Tensor] = None
