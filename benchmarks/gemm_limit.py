@@ -150,9 +150,12 @@ def main():
     _, reordered = generators(task, models, FastGenConfig(ancestor_kv=False), beam=a.beam)
     _, fresh_kv = generators(task, models, FastGenConfig(kv_reuse=False), beam=a.beam)
     _, py_cands = generators(task, models, FastGenConfig(native_candidates=False), beam=a.beam)
+    _, aten_cross = generators(task, models, FastGenConfig(fused_cross_attention=False),
+                               beam=a.beam)
     gens = {"stock": stock, "fastgen native off": python_step,
             "fastgen ancestor kv off": reordered, "fastgen kv reuse off": fresh_kv,
-            "fastgen native candidates off": py_cands, "fastgen": fast}
+            "fastgen native candidates off": py_cands,
+            "fastgen fused cross attention off": aten_cross, "fastgen": fast}
     rows = []
     for bsz in a.batch:
         bs = list(batches(task, cfg, bsz, subset=a.subset, limit=a.limit))

@@ -83,6 +83,9 @@ class FastGenConfig:
     ancestor_kv: bool = field(default=True, metadata={"help": (
         "with native_step: self-attention caches never reordered, read through a table "
         "of each hypothesis's ancestor rows; lossless mode, CPU fp32")})
+    fused_cross_attention: bool = field(default=True, metadata={"help": (
+        "with native_step: encoder-decoder attention in one C++ pass over each sentence's "
+        "keys/values (no reshape copies); lossless mode, CPU fp32")})
     native_candidates: bool = field(default=True, metadata={"help": (
         "beam candidates from one C++ pass over the log-probabilities (the C++ extension "
         "of native_step); lossless mode, CPU fp32")})
@@ -243,6 +246,8 @@ class FastGenConfig:
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
             "native_step": fast and self.native_step and not self.bitwise,
             "ancestor_kv": fast and self.native_step and self.ancestor_kv and not self.bitwise,
+            "fused_cross_attention": fast and self.native_step and self.fused_cross_attention
+            and not self.bitwise,
             "native_candidates": fast and self.native_candidates and not self.bitwise,
             "continuous_batching=" + self.continuous: (
                 fast and self.continuous != "off" and not self.bitwise),

@@ -20,11 +20,11 @@ needs_native = pytest.mark.skipif(native_step.load() is None,
 
 @torch.no_grad()
 def _steps(model, sample, native: bool, beam: int, steps: int, need_attn: bool,
-           ancestor_kv: bool = False, drop_at: int = -1):
+           ancestor_kv: bool = False, drop_at: int = -1, fused_cross: bool = False):
     """lprobs (and attention) of ``steps`` decoder steps over a fixed token sequence
     with a fixed beam reorder, on the native or the Python layers; at step ``drop_at``
     the first sentence finishes (the batch shrinks)."""
-    d = FastDecoder(model, native=native, ancestor_kv=ancestor_kv)
+    d = FastDecoder(model, native=native, ancestor_kv=ancestor_kv, fused_cross=fused_cross)
     d.prepare()
     assert (d._native is not None) == native
     net = sample["net_input"]
@@ -90,6 +90,31 @@ def test_ancestor_kv_matches_the_reordered_cache(tiny, which):
 
 
 @needs_native
+@pytest.mark.parametrize("which", ["postln", "preln", "bart"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_cross_attention_matches_the_batched_gemms(tiny, which, threads):
+    """The C++ encoder-decoder attention (padded sources, a batch that shrinks) against
+    the Python step's; it sums in another order, so within float rounding."""
+    task, models, cfg = load(tiny.data, [getattr(tiny, which)])
+    sample = next(iter(batches(task, cfg, 7)))
+    assert sample["net_input"]["src_lengths"].unique().numel() > 1
+    torch.set_num_threads(threads)
+    try:
+        py = _steps(models[0], sample, False, beam=3, steps=10, need_attn=True, drop_at=4)
+        fused = _steps(models[0], sample, True, beam=3, steps=10, need_attn=True, drop_at=4,
+                       fused_cross=True)
+        no_attn = _steps(models[0], sample, True, beam=3, steps=10, need_attn=False,
+                         drop_at=4, fused_cross=True)
+    finally:
+        torch.set_num_threads(1)
+    for (lp, a), (lp2, a2), (lp3, a3) in zip(py, fused, no_attn):
+        assert lp.shape == lp2.shape and not torch.equal(lp, torch.zeros_like(lp))
+        torch.testing.assert_close(lp, lp2, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a, a2, rtol=0, atol=1e-6)
+        assert a3 is None and torch.equal(lp2, lp3)
+
+
+@needs_native
 def test_native_layers_decoder_only_lm(tiny_lm):
     task, models, cfg = load(tiny_lm.data, [tiny_lm.path], task="language_modeling",
                              extra=["--tokens-per-sample", "64"])
@@ -106,7 +131,8 @@ def test_bundled_model_generation_same_with_and_without(caplog):
     task, models, cfg = load(m.data, [m.path], extra=["--source-lang", m.src,
                                                        "--target-lang", m.tgt])
     stock, fast = generators(task, models, FastGenConfig(), beam=5)
-    _, reordered = generators(task, models, FastGenConfig(ancestor_kv=False), beam=5)
+    _, reordered = generators(task, models, FastGenConfig(ancestor_kv=False,
+                                                          fused_cross_attention=False), beam=5)
     _, py = generators(task, models, FastGenConfig(native_step=False), beam=5)
     torch.set_num_threads(2)  # packed GEMMs too (two threads or more)
     try:
@@ -183,9 +209,11 @@ def test_switch_on_the_command_line_and_in_the_log_line(tiny):
     try:
         options.parse_args_and_arch(options.get_generation_parser(),
                                     [str(tiny.data), "--fastgen-no-native-step",
-                                     "--fastgen-no-native-candidates", "--fastgen-no-kv-reuse"])
+                                     "--fastgen-no-native-candidates", "--fastgen-no-kv-reuse",
+                                     "--fastgen-no-fused-cross-attention"])
         active = fg_config.active()
-        assert not (active.native_step or active.native_candidates or active.kv_reuse)
+        assert not (active.native_step or active.native_candidates or active.kv_reuse
+                    or active.fused_cross_attention)
     finally:
         fg_config.set_active(before)
     assert "native_step" in FastGenConfig().describe()
@@ -193,3 +221,5 @@ def test_switch_on_the_command_line_and_in_the_log_line(tiny):
     assert "native_step" not in FastGenConfig(bitwise=True).describe()
     assert "ancestor_kv" in FastGenConfig().describe()
     assert "ancestor_kv" not in FastGenConfig(native_step=False).describe()
+    assert "fused_cross_attention" in FastGenConfig().describe()
+    assert "fused_cross_attention" not in FastGenConfig(bitwise=True).describe()

@@ -17,6 +17,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -60,11 +63,32 @@ struct Config {
   bool normalize_before;
   int64_t activation;  // 0: relu (in place), 1: fairseq's gelu (in float)
   double eps1, eps2, eps3;
+  bool fused;  // encoder-decoder attention by fused_cross_attention (fp32)
 };
 
-// A dot product of length n in independent partial sums, so that the compiler can use
-// SIMD lanes without reassociating a single sum (no -ffast-math needed).
+// A dot product of length n: SIMD lanes of partial sums, then their sum (no -ffast-math
+// needed; the order is fixed for a given build).
 inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) {
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < n; d += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  }
+#endif
   constexpr int kLanes = 16;
   float acc[kLanes] = {0.f};
   int64_t d = 0;
@@ -75,6 +99,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int j = 0; j < kLanes; ++j) sum += acc[j];
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
+}
+
+// y[0:n] += w * x[0:n]
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
 }
 
 // Self-attention of one query per hypothesis over its own history, read in place: the
@@ -88,35 +117,40 @@ Tensor ancestor_attention(const Tensor& q, const Tensor& kbuf, const Tensor& vbu
   const Tensor qc = q.contiguous();
   const int64_t n = qc.size(0), c = qc.size(1), n0 = kbuf.size(1), hd = c / heads;
   const int64_t anc_stride = anc.stride(0);
-  Tensor out = at::empty({n, c}, qc.options());
+  Tensor out = at::zeros({n, c}, qc.options());
   const float* qp = qc.data_ptr<float>();
   const float* kp = kbuf.data_ptr<float>();
   const float* vp = vbuf.data_ptr<float>();
   const int64_t* ap = anc.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(t1);
-    for (int64_t h = begin; h < end; ++h) {
-      const int64_t* ah = ap + h * anc_stride;
-      for (int64_t g = 0; g < heads; ++g) {
-        const float* qg = qp + h * c + g * hd;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < t1; ++s) {
-          scores[s] = dot(qg, kp + (s * n0 + ah[s]) * c + g * hd, hd);
-          top = std::max(top, scores[s]);
-        }
-        float z = 0.f;
-        for (int64_t s = 0; s < t1; ++s) {
-          scores[s] = std::exp(scores[s] - top);
-          z += scores[s];
-        }
-        float* og = op + h * c + g * hd;
-        for (int64_t d = 0; d < hd; ++d) og[d] = 0.f;
-        for (int64_t s = 0; s < t1; ++s) {
-          const float p = scores[s] / z;
-          const float* vs = vp + (s * n0 + ah[s]) * c + g * hd;
-          for (int64_t d = 0; d < hd; ++d) og[d] += p * vs[d];
-        }
+  // Step-major: the rows a step's hypotheses read lie close together (a sentence's
+  // beam), so each pass streams kbuf[s] / vbuf[s] in memory order.
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    const int64_t rows = end - begin;
+    std::vector<float> p(rows * heads * t1);  // [row][head][step]
+    for (int64_t s = 0; s < t1; ++s) {
+      for (int64_t h = begin; h < end; ++h) {
+        const float* kr = kp + (s * n0 + ap[h * anc_stride + s]) * c;
+        float* ph = p.data() + (h - begin) * heads * t1 + s;
+        for (int64_t g = 0; g < heads; ++g) ph[g * t1] = dot(qp + h * c + g * hd, kr + g * hd, hd);
+      }
+    }
+    for (int64_t i = 0; i < rows * heads; ++i) {
+      float* pi = p.data() + i * t1;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < t1; ++s) top = std::max(top, pi[s]);
+      float z = 0.f;
+      for (int64_t s = 0; s < t1; ++s) {
+        pi[s] = std::exp(pi[s] - top);
+        z += pi[s];
+      }
+      for (int64_t s = 0; s < t1; ++s) pi[s] /= z;
+    }
+    for (int64_t s = 0; s < t1; ++s) {
+      for (int64_t h = begin; h < end; ++h) {
+        const float* vr = vp + (s * n0 + ap[h * anc_stride + s]) * c;
+        const float* ph = p.data() + (h - begin) * heads * t1 + s;
+        for (int64_t g = 0; g < heads; ++g) axpy(ph[g * t1], vr + g * hd, op + h * c + g * hd, hd);
       }
     }
   });
@@ -145,7 +179,75 @@ Tensor self_attention(const Config& cfg, const Tensor* w, const Tensor& x, Tenso
   return linear(out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
 }
 
-// cached_attention.CrossAttentionCache.attend, merged (one copy per sentence) path.
+// Encoder-decoder attention of a beam's queries against its sentence's keys/values,
+// read where they lie: no (bsz*H, beam, hd) copies of the queries or the output, no
+// score tensor, padded positions skipped (they weigh exactly 0 in the softmax).
+//   q: (n, C) scaled queries, n = bsz*beam; k, v: (bsz*H, S, hd); pad: (bsz, S) bool or
+//   undefined. Returns (n, C) and, if need_attn, the head average of the weights (n, S),
+//   heads summed in order as mean(0) sums them.
+std::tuple<Tensor, Tensor> fused_cross_attention(const Tensor& q, const Tensor& k,
+                                                 const Tensor& v, const Tensor& pad,
+                                                 int64_t beam, int64_t heads, bool need_attn) {
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const int64_t n = qc.size(0), c = qc.size(1), hd = c / heads, s = kc.size(1);
+  const int64_t bsz = n / beam;
+  Tensor out = at::empty({n, c}, qc.options());
+  Tensor attn = need_attn ? at::zeros({n, s}, qc.options()) : Tensor();
+  const Tensor padc = pad.defined() ? pad.contiguous() : pad;
+  const bool* pp = padc.defined() ? padc.data_ptr<bool>() : nullptr;
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* ap = need_attn ? attn.data_ptr<float>() : nullptr;
+  at::parallel_for(0, bsz, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(beam * s);
+    std::vector<int64_t> keep(s);
+    for (int64_t b = begin; b < end; ++b) {
+      int64_t m = 0;  // the sentence's unpadded positions
+      for (int64_t j = 0; j < s; ++j) {
+        if (pp == nullptr || !pp[b * s + j]) keep[m++] = j;
+      }
+      for (int64_t g = 0; g < heads; ++g) {
+        const float* kg = kp + (b * heads + g) * s * hd;
+        const float* vg = vp + (b * heads + g) * s * hd;
+        for (int64_t r = 0; r < beam; ++r) {
+          const int64_t h = b * beam + r;
+          const float* qr = qp + h * c + g * hd;
+          float* pr = p.data() + r * s;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t i = 0; i < m; ++i) {
+            pr[i] = dot(qr, kg + keep[i] * hd, hd);
+            top = std::max(top, pr[i]);
+          }
+          float z = 0.f;
+          for (int64_t i = 0; i < m; ++i) {
+            pr[i] = std::exp(pr[i] - top);
+            z += pr[i];
+          }
+          float* og = op + h * c + g * hd;
+          for (int64_t d = 0; d < hd; ++d) og[d] = 0.f;
+          for (int64_t i = 0; i < m; ++i) {
+            const float w = pr[i] / z;
+            const float* vs = vg + keep[i] * hd;
+            axpy(w, vs, og, hd);
+            if (ap != nullptr) ap[h * s + keep[i]] += w;
+          }
+        }
+      }
+      if (ap != nullptr) {
+        for (int64_t r = 0; r < beam; ++r) {
+          float* ar = ap + (b * beam + r) * s;
+          for (int64_t j = 0; j < s; ++j) ar[j] /= static_cast<float>(heads);
+        }
+      }
+    }
+  });
+  return {out, attn};
+}
+
+// cached_attention.CrossAttentionCache.attend, merged (one copy per sentence) path; with
+// cfg.fused (fp32) the kernel above instead of its reshapes and batched GEMMs.
 std::tuple<Tensor, Tensor> cross_attention(const Config& cfg, const Tensor* w, const Tensor& x,
                                            const Tensor& k, const Tensor& v, const Tensor& pad,
                                            int64_t beam, bool need_attn) {
@@ -153,6 +255,10 @@ std::tuple<Tensor, Tensor> cross_attention(const Config& cfg, const Tensor* w, c
   const int64_t bsz = n / beam, s = k.size(1);
   Tensor q = linear(x, w[kEaQWt], w[kEaQB], w[kEaQPack]);
   q.mul_(cfg.ea_scaling);
+  if (cfg.fused && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat) {
+    auto [o, a] = fused_cross_attention(q, k, v, pad, beam, h, need_attn);
+    return {linear(o, w[kEaOutWt], w[kEaOutB], w[kEaOutPack]), a};
+  }
   q = q.view({bsz, beam, h, hd}).transpose(1, 2).reshape({bsz * h, beam, hd});
   Tensor sc = at::bmm(q, k.transpose(1, 2));  // (bsz*H, beam, S)
   if (pad.defined()) {
@@ -225,12 +331,13 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeights, "weights per layer");
   TORCH_CHECK(static_cast<int64_t>(cross.size()) == layers * 3, "cross per layer");
   TORCH_CHECK(scalars.size() == static_cast<size_t>(layers * 5), "scalars per layer");
-  TORCH_CHECK(ints.size() == 4, "heads, head_dim, normalize_before, activation");
+  TORCH_CHECK(ints.size() == 5, "heads, head_dim, normalize_before, activation, fused");
   const Tensor anc = ancestors.has_value() ? *ancestors : Tensor();
   Tensor attn;
   for (int64_t i = 0; i < layers; ++i) {
     const double* sc = scalars.data() + i * 5;
-    Config cfg{ints[0], ints[1], sc[0], sc[1], ints[2] != 0, ints[3], sc[2], sc[3], sc[4]};
+    Config cfg{ints[0], ints[1], sc[0], sc[1], ints[2] != 0, ints[3],
+               sc[2], sc[3], sc[4], ints[4] != 0};
     auto [y, a] = layer(cfg, weights.data() + i * kWeights, x, caches[2 * i], caches[2 * i + 1],
                         t, anc, cross.data() + 3 * i, beam, need_attn && i == layers - 1);
     x = y;

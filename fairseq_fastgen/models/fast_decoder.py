@@ -46,12 +46,14 @@ class FastDecoder:
 
     def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
                  bitwise: bool = False, vocab_pad: bool = True, packed_gemm_mb: int = 0,
-                 native: bool = False, ancestor_kv: bool = False, kv_reuse: bool = False):
+                 native: bool = False, ancestor_kv: bool = False, kv_reuse: bool = False,
+                 fused_cross: bool = False):
         """native: run the layers of a step in C++ where the model and batch allow
         (:mod:`~fairseq_fastgen.models.native_step`; same bits as the Python step);
         ancestor_kv: with the native step, never reorder the self-attention caches (see
         :meth:`reorder`); kv_reuse: a batch's caches take over the last batch's buffers
-        (see :mod:`~fairseq_fastgen.models.kv_cache`)."""
+        (see :mod:`~fairseq_fastgen.models.kv_cache`); fused_cross: with the native step,
+        encoder-decoder attention by the C++ kernel of one pass per sentence."""
         self.stack = DecoderStack(model, bitwise=bitwise, vocab_pad=vocab_pad,
                                   packed_gemm_mb=packed_gemm_mb)
         self.model = model
@@ -71,6 +73,7 @@ class FastDecoder:
         self._native_now = False  # this batch runs the C++ layers
         self._ancestor_kv = ancestor_kv
         self._kv_reuse = kv_reuse
+        self._fused_cross = fused_cross
         self._anc: Optional[Tensor] = None  # (n, max_len+1) int64 in ancestor mode
         self._rows: Optional[Tensor] = None  # arange(n) of the batch, in ancestor mode
 
@@ -84,7 +87,7 @@ class FastDecoder:
         self.stack.prepare()
         if self._native_wanted and self._native is None:
             self._native_wanted = False  # decided once
-            self._native = native_step.build(self.stack)
+            self._native = native_step.build(self.stack, fused_cross=self._fused_cross)
 
     def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int) -> None:
         """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated)."""

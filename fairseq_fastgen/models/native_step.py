@@ -68,7 +68,9 @@ def _import_or_build():
     cpu = _cpu_flags()
     # -march=native: the build is for this CPU, so its flags are part of the build's name
     # (a home directory shared by different machines gets one build per kind of CPU)
-    cflags = ["-O3", "-march=native"] if cpu else ["-O3"]
+    # -fopenmp: at::parallel_for runs its OpenMP loop only when the code including it is
+    # compiled with OpenMP (else one thread); the library is torch's own libgomp
+    cflags = ["-O3", "-march=native", "-fopenmp"] if cpu else ["-O3", "-fopenmp"]
     key = code + torch.__version__.encode() + cpu.encode() + " ".join(cflags).encode()
     tag = hashlib.sha256(key).hexdigest()[:16]
     name = f"fastgen_decoder_layers_{tag}"
@@ -88,7 +90,7 @@ def _import_or_build():
             os.replace(tmp, copy)  # atomic: concurrent builders see a whole file
         copies.append(str(copy))
     return cpp_extension.load(name=name, sources=copies, build_directory=str(build_dir),
-                              extra_cflags=cflags, verbose=False)
+                              extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _cpu_flags() -> str:
@@ -155,8 +157,9 @@ def unsupported(stack) -> Optional[str]:
     return None
 
 
-def build(stack) -> Optional["NativeLayers"]:
-    """The C++ layers for ``stack``, or None after one log line saying why not."""
+def build(stack, fused_cross: bool = False) -> Optional["NativeLayers"]:
+    """The C++ layers for ``stack``, or None after one log line saying why not;
+    fused_cross: encoder-decoder attention by the C++ kernel (``fused_cross_attention``)."""
     reason = unsupported(stack)
     module = load() if reason is None else None
     if reason is None and module is None:
@@ -164,7 +167,7 @@ def build(stack) -> Optional["NativeLayers"]:
     if reason is not None:
         _log_once(f"fairseq-fastgen: native decoder step off ({reason}); Python step")
         return None
-    return NativeLayers(stack, module)
+    return NativeLayers(stack, module, fused_cross)
 
 
 _logged = set()
@@ -179,13 +182,13 @@ def _log_once(msg: str) -> None:
 class NativeLayers:
     """Runs a DecoderStack's layers for one step through the C++ extension."""
 
-    def __init__(self, stack, module):
+    def __init__(self, stack, module, fused_cross: bool = False):
         self.stack = stack
         self.module = module
         self.per_layer = int(module.WEIGHTS_PER_LAYER)
         first = stack.layers[0]
         self.ints = [first.heads, first.head_dim, int(bool(first.layer.normalize_before)),
-                     _activation(first.layer.activation_fn)]
+                     _activation(first.layer.activation_fn), int(fused_cross)]
         self.scalars: List[float] = []
         for l in stack.layers:
             layer = l.layer

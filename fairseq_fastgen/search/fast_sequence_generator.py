@@ -149,7 +149,8 @@ class FastSequenceGenerator(SequenceGenerator):
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
                             packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step,
-                            ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse)
+                            ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse,
+                            fused_cross=cfg.fused_cross_attention)
                 for m in self.model.models
             ]
         return self._fast_decoders
