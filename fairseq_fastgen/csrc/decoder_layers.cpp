@@ -6,7 +6,8 @@
 // from Python. The same ATen calls with the same shapes, made here, give the same bits as
 // the Python step (tests/test_native_step.py checks it) at less dispatch cost (figures:
 // fairseq_fastgen/models/native_step.py). With an ancestor table the self-attention is
-// this file's own kernel (ancestor_attention), which sums in another order.
+// this file's own kernel (ancestor_attention), and with cfg.fused the encoder-decoder
+// attention is fused_cross_attention; both sum in another order.
 //
 // Layout of the per-layer inputs (see fairseq_fastgen/models/native_step.py):
 //   weights: per layer kWeights tensors (undefined = absent), in the order of enum W;

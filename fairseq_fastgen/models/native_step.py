@@ -7,7 +7,9 @@ threads; see benchmarks/results/NOTES.md, "Native decoder step"), with the same 
 the Python step of :class:`~fairseq_fastgen.models.layers.DecoderStack` in lossless mode
 (tests/test_native_step.py).  With ``ancestor_kv`` the self-attention is the source's own
 kernel instead (``ancestor_attention``: the caches are read in place through an ancestor
-table, see :meth:`FastDecoder.reorder`); that one sums in another order (lossless mode).
+table, see :meth:`FastDecoder.reorder`), and with ``fused_cross_attention`` the
+encoder-decoder attention is ``fused_cross_attention`` (one pass per sentence, no reshape
+copies); both sum in another order (lossless mode).
 
 The extension is compiled once per torch version, source and kind of CPU (``-O3
 -march=native``) by ``torch.utils.cpp_extension.load`` (about 30-60 s with g++; ``make
