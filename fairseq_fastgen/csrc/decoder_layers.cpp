@@ -102,6 +102,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// p[0:m] = softmax(p[0:m]) in place (float, as at::softmax computes it up to rounding)
+inline void softmax_inplace(float* p, int64_t m) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < m; ++i) top = std::max(top, p[i]);
+  float z = 0.f;
+  for (int64_t i = 0; i < m; ++i) {
+    p[i] = std::exp(p[i] - top);
+    z += p[i];
+  }
+  for (int64_t i = 0; i < m; ++i) p[i] /= z;
+}
+
 // y[0:n] += w * x[0:n]
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
@@ -136,17 +148,7 @@ Tensor ancestor_attention(const Tensor& q, const Tensor& kbuf, const Tensor& vbu
         for (int64_t g = 0; g < heads; ++g) ph[g * t1] = dot(qp + h * c + g * hd, kr + g * hd, hd);
       }
     }
-    for (int64_t i = 0; i < rows * heads; ++i) {
-      float* pi = p.data() + i * t1;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < t1; ++s) top = std::max(top, pi[s]);
-      float z = 0.f;
-      for (int64_t s = 0; s < t1; ++s) {
-        pi[s] = std::exp(pi[s] - top);
-        z += pi[s];
-      }
-      for (int64_t s = 0; s < t1; ++s) pi[s] /= z;
-    }
+    for (int64_t i = 0; i < rows * heads; ++i) softmax_inplace(p.data() + i * t1, t1);
     for (int64_t s = 0; s < t1; ++s) {
       for (int64_t h = begin; h < end; ++h) {
         const float* vr = vp + (s * n0 + ap[h * anc_stride + s]) * c;
@@ -216,23 +218,13 @@ std::tuple<Tensor, Tensor> fused_cross_attention(const Tensor& q, const Tensor& 
           const int64_t h = b * beam + r;
           const float* qr = qp + h * c + g * hd;
           float* pr = p.data() + r * s;
-          float top = -std::numeric_limits<float>::infinity();
-          for (int64_t i = 0; i < m; ++i) {
-            pr[i] = dot(qr, kg + keep[i] * hd, hd);
-            top = std::max(top, pr[i]);
-          }
-          float z = 0.f;
-          for (int64_t i = 0; i < m; ++i) {
-            pr[i] = std::exp(pr[i] - top);
-            z += pr[i];
-          }
+          for (int64_t i = 0; i < m; ++i) pr[i] = dot(qr, kg + keep[i] * hd, hd);
+          softmax_inplace(pr, m);
           float* og = op + h * c + g * hd;
           for (int64_t d = 0; d < hd; ++d) og[d] = 0.f;
           for (int64_t i = 0; i < m; ++i) {
-            const float w = pr[i] / z;
-            const float* vs = vg + keep[i] * hd;
-            axpy(w, vs, og, hd);
-            if (ap != nullptr) ap[h * s + keep[i]] += w;
+            axpy(pr[i], vg + keep[i] * hd, og, hd);
+            if (ap != nullptr) ap[h * s + keep[i]] += pr[i];
           }
         }
       }

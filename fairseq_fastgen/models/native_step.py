@@ -72,7 +72,7 @@ def _import_or_build():
     # (a home directory shared by different machines gets one build per kind of CPU)
     # -fopenmp: at::parallel_for runs its OpenMP loop only when the code including it is
     # compiled with OpenMP (else one thread); the library is torch's own libgomp
-    cflags = ["-O3", "-march=native", "-fopenmp"] if cpu else ["-O3", "-fopenmp"]
+    cflags = ["-O3", "-fopenmp"] + (["-march=native"] if cpu else [])
     key = code + torch.__version__.encode() + cpu.encode() + " ".join(cflags).encode()
     tag = hashlib.sha256(key).hexdigest()[:16]
     name = f"fastgen_decoder_layers_{tag}"
