@@ -12,9 +12,9 @@ LOSSLESS = FastGenConfig(continuous="on")
 
 
 def run_stream(task, models, cfg, batch_size, gen, capacity=0, prefix_size=0, limit=None,
-               stock_blocker=None):
+               stock_blocker=None, fastgen=LOSSLESS):
     """Every batch through stock one by one and through the engine as one stream."""
-    stock, fast = generators(task, models, LOSSLESS, **gen)
+    stock, fast = generators(task, models, fastgen, **gen)
     if stock_blocker is not None:
         stock.repeat_ngram_blocker = stock_blocker
     assert unsupported(fast, task) is None
@@ -36,6 +36,32 @@ def run_stream(task, models, cfg, batch_size, gen, capacity=0, prefix_size=0, li
 def test_stream_matches_stock(tiny, which, beam, batch):
     task, models, cfg = load(tiny.data, [getattr(tiny, which)])
     assert run_stream(task, models, cfg, batch, dict(beam=beam, max_len_b=40)) > 0
+
+
+PYTHON_SLOTS = FastGenConfig(continuous="on", native_step=False)
+
+
+@pytest.mark.parametrize("which", ["postln", "bart"])
+@pytest.mark.parametrize("beam,batch", [(4, 1), (5, 7)])
+def test_python_slot_step_matches_stock(tiny, which, beam, batch):
+    """The masked Python step over slots (no C++ layers) is lossless too."""
+    task, models, cfg = load(tiny.data, [getattr(tiny, which)])
+    assert run_stream(task, models, cfg, batch, dict(beam=beam, max_len_b=40),
+                      fastgen=PYTHON_SLOTS) > 0
+
+
+def test_native_slot_step_is_used(tiny):
+    """With the C++ extension the engine runs the per-row-step C++ layers."""
+    from fairseq_fastgen.models import native_step
+
+    if native_step.load() is None:
+        pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    for c, native in ((LOSSLESS, True), (PYTHON_SLOTS, False),
+                      (FastGenConfig(continuous="on", ancestor_kv=False), False)):
+        _, fast = generators(task, models, c, beam=5)
+        engine = ContinuousBeamSearch(fast)
+        assert [d._native is not None for d in engine.decoders] == [native]
 
 
 @pytest.mark.parametrize("gen", [
@@ -154,3 +180,28 @@ def test_cli_auto_on_cpu_logs_why(tiny):
                       "--fastgen-decode-workers", "1"], plugin=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "continuous batching off: auto on CPU" in r.stderr
+
+
+def test_slot_rows_never_share_a_buffer_row(tiny):
+    """Native slots: after slots are compacted away, new slots take buffer rows no live
+    row owns (a shared one would overwrite a live sentence's keys)."""
+    from fairseq_fastgen.models.slot_decoder import SlotDecoder
+
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    _, fast = generators(task, models, LOSSLESS, beam=2)
+    d = fast._decoders()[0]
+    if d.native_for_slots() is None:
+        pytest.skip("C++ extension unavailable")
+    sd = SlotDecoder(d.stack, 2, native=d.native_for_slots())
+    sample = next(iter(batches(task, cfg, 4)))
+    cross = sd.batch_cross(fast.model.forward_encoder(sample["net_input"])[0])
+    t = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    sd.admit(t(0, 1, 2), cross, t(0, 1, 2), rows=6, max_steps=10)
+    assert sd._phys[:6].tolist() == list(range(6))
+    sd.reorder(t(2, 3, 4, 5), t(1, 2), 1)  # slot 0 compacted away
+    assert sd._phys[:4].tolist() == [2, 3, 4, 5]
+    sd.admit(t(2, 3), cross, t(3, 0), rows=8, max_steps=10)
+    phys = sd._phys[:8].tolist()
+    assert phys[:4] == [2, 3, 4, 5] and sorted(phys) == list(range(8))
+    sd.reorder(t(1, 1, 2, 2, 5, 4, 6, 7), None, 1)  # a beam reorder: buffer rows stay
+    assert sd._phys[:8].tolist() == phys

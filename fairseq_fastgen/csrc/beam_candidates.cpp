@@ -84,10 +84,13 @@ void scan_row(Best& best, const float* row, int64_t vocab, float score, bool has
 }
 
 // lprobs: (bsz, beams, V) float32, last dimension contiguous; scores: (bsz, beams) or
-// None (the sums are the log-probabilities). Returns the k best sums of each sentence
-// (bsz, k) descending, their words (bsz, k) and beams (bsz, k), int64.
+// None (the sums are the log-probabilities); first: (bsz,) bool or None, sentences at
+// their first step (continuous batching): only their first beam, without a score, as
+// with scores None. Returns the k best sums of each sentence (bsz, k) descending, their
+// words (bsz, k) and beams (bsz, k), int64.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> beam_candidates(
-    const at::Tensor& lprobs, const std::optional<at::Tensor>& scores_in, int64_t k) {
+    const at::Tensor& lprobs, const std::optional<at::Tensor>& scores_in, int64_t k,
+    const std::optional<at::Tensor>& first_in) {
   TORCH_CHECK(lprobs.dim() == 3 && lprobs.scalar_type() == at::kFloat && lprobs.stride(2) == 1,
               "beam_candidates: lprobs (bsz, beams, V) float32, last dimension contiguous");
   const int64_t bsz = lprobs.size(0), beams = lprobs.size(1), vocab = lprobs.size(2);
@@ -99,6 +102,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> beam_candidates(
     TORCH_CHECK(scores.dim() == 2 && scores.size(0) == bsz && scores.size(1) == beams,
                 "beam_candidates: scores (bsz, beams)");
   }
+  at::Tensor first;
+  if (first_in.has_value()) {
+    first = first_in->to(at::kBool).contiguous();
+    TORCH_CHECK(first.numel() == bsz && has_score && k <= vocab, "beam_candidates: first (bsz,)");
+  }
+  const bool* fp = first.defined() ? first.data_ptr<bool>() : nullptr;
   at::Tensor values = at::empty({bsz, k}, lprobs.options());
   at::Tensor flat = at::empty({bsz, k}, lprobs.options().dtype(at::kLong));
   const float* lp = lprobs.data_ptr<float>();
@@ -109,9 +118,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> beam_candidates(
   at::parallel_for(0, bsz, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       Best best{k, 0, vp + s * k, ip + s * k};
-      for (int64_t b = 0; b < beams; ++b) {
-        scan_row(best, lp + s * s0 + b * s1, vocab, has_score ? sp[s * beams + b] : 0.f,
-                 has_score, b * vocab);
+      const bool once = fp != nullptr && fp[s];
+      const bool scored = has_score && !once;
+      for (int64_t b = 0; b < (once ? 1 : beams); ++b) {
+        scan_row(best, lp + s * s0 + b * s1, vocab, scored ? sp[s * beams + b] : 0.f, scored,
+                 b * vocab);
       }
     }
   });
@@ -123,5 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> beam_candidates(
 
 void register_beam_candidates(pybind11::module& m) {
   m.def("beam_candidates", &beam_candidates,
-        "the k best lprob + score sums of each sentence (fairseq BeamSearch.step's top-k)");
+        "the k best lprob + score sums of each sentence (fairseq BeamSearch.step's top-k)",
+        pybind11::arg("lprobs"), pybind11::arg("scores"), pybind11::arg("k"),
+        pybind11::arg("first") = pybind11::none());
 }

@@ -122,11 +122,14 @@ inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_
 // Self-attention of one query per hypothesis over its own history, read in place: the
 // step-s key/value of hypothesis h is row anc[h, s] of kbuf[s]/vbuf[s], so the cache is
 // never reordered (a beam reorder only gathers the small anc table).
-//   q: (n, C) scaled queries; kbuf, vbuf: (capacity, n0, C); anc: (n, >= t1) int64.
+//   q: (n, C) scaled queries; kbuf, vbuf: (capacity, n0, C); anc: (n, >= t1) int64;
+//   lens: (n,) int64 history length of each row (<= t1; continuous batching, where rows
+//   stand at different steps), or undefined: t1 for every row.
 Tensor ancestor_attention(const Tensor& q, const Tensor& kbuf, const Tensor& vbuf,
-                          const Tensor& anc, int64_t t1, int64_t heads) {
+                          const Tensor& anc, int64_t t1, int64_t heads, const Tensor& lens) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && kbuf.is_contiguous() && vbuf.is_contiguous() &&
               anc.scalar_type() == at::kLong && anc.stride(1) == 1, "ancestor attention inputs");
+  TORCH_CHECK(t1 <= kbuf.size(0) && t1 <= anc.size(1), "ancestor attention: history too long");
   const Tensor qc = q.contiguous();
   const int64_t n = qc.size(0), c = qc.size(1), n0 = kbuf.size(1), hd = c / heads;
   const int64_t anc_stride = anc.stride(0);
@@ -135,22 +138,28 @@ Tensor ancestor_attention(const Tensor& q, const Tensor& kbuf, const Tensor& vbu
   const float* kp = kbuf.data_ptr<float>();
   const float* vp = vbuf.data_ptr<float>();
   const int64_t* ap = anc.data_ptr<int64_t>();
+  const int64_t* lp = lens.defined() ? lens.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   // Step-major: the rows a step's hypotheses read lie close together (a sentence's
   // beam), so each pass streams kbuf[s] / vbuf[s] in memory order.
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     const int64_t rows = end - begin;
     std::vector<float> p(rows * heads * t1);  // [row][head][step]
+    auto len = [&](int64_t h) { return lp != nullptr ? lp[h] : t1; };
     for (int64_t s = 0; s < t1; ++s) {
       for (int64_t h = begin; h < end; ++h) {
+        if (s >= len(h)) continue;
         const float* kr = kp + (s * n0 + ap[h * anc_stride + s]) * c;
         float* ph = p.data() + (h - begin) * heads * t1 + s;
         for (int64_t g = 0; g < heads; ++g) ph[g * t1] = dot(qp + h * c + g * hd, kr + g * hd, hd);
       }
     }
-    for (int64_t i = 0; i < rows * heads; ++i) softmax_inplace(p.data() + i * t1, t1);
+    for (int64_t i = 0; i < rows * heads; ++i) {
+      softmax_inplace(p.data() + i * t1, len(begin + i / heads));
+    }
     for (int64_t s = 0; s < t1; ++s) {
       for (int64_t h = begin; h < end; ++h) {
+        if (s >= len(h)) continue;
         const float* vr = vp + (s * n0 + ap[h * anc_stride + s]) * c;
         const float* ph = p.data() + (h - begin) * heads * t1 + s;
         for (int64_t g = 0; g < heads; ++g) axpy(ph[g * t1], vr + g * hd, op + h * c + g * hd, hd);
@@ -160,15 +169,40 @@ Tensor ancestor_attention(const Tensor& q, const Tensor& kbuf, const Tensor& vbu
   return out;
 }
 
+// buf[lens[r] - 1, phys[r]] = src[r, col:col+C] for every row r: each row's key or value
+// at its own step, in the cache row it owns.  buf: (capacity, n0, C); src: (n, >= col+C).
+void write_at_steps(Tensor& buf, const Tensor& src, int64_t col, const Tensor& lens,
+                    const Tensor& phys) {
+  TORCH_CHECK(buf.is_contiguous() && buf.scalar_type() == at::kFloat &&
+              src.scalar_type() == at::kFloat && src.stride(1) == 1, "cache rows");
+  const int64_t n = src.size(0), cap = buf.size(0), n0 = buf.size(1), c = buf.size(2);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* pp = phys.data_ptr<int64_t>();
+  const float* sp = src.data_ptr<float>() + col;
+  float* bp = buf.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= cap && pp[r] >= 0 && pp[r] < n0, "cache row out of range");
+    std::copy(sp + r * src.stride(0), sp + r * src.stride(0) + c, bp + ((lp[r] - 1) * n0 + pp[r]) * c);
+  }
+}
+
+// Rows at one step t (lens undefined: this step's hypotheses are rows 0..n-1 of step t,
+// anc[h, t] == h) or each at its own (lens[h] - 1, written to cache row phys[h]).
 Tensor self_attention(const Config& cfg, const Tensor* w, const Tensor& x, Tensor& kbuf,
-                      Tensor& vbuf, int64_t t, const Tensor& anc) {
+                      Tensor& vbuf, int64_t t, const Tensor& anc, const Tensor& lens,
+                      const Tensor& phys) {
   const int64_t n = x.size(0), c = x.size(1);
   Tensor qkv = linear(x, w[kQkvWt], w[kQkvB], w[kQkvPack]);
   Tensor q = qkv.slice(1, 0, c).mul(cfg.sa_scaling);
-  if (anc.defined()) {  // rows 0..n-1 of step t: this step's hypotheses (anc[h, t] == h)
-    kbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, c, 2 * c));
-    vbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, 2 * c, 3 * c));
-    Tensor out = ancestor_attention(q, kbuf, vbuf, anc, t + 1, cfg.heads);
+  if (anc.defined()) {
+    if (lens.defined()) {
+      write_at_steps(kbuf, qkv, c, lens, phys);
+      write_at_steps(vbuf, qkv, 2 * c, lens, phys);
+    } else {
+      kbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, c, 2 * c));
+      vbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, 2 * c, 3 * c));
+    }
+    Tensor out = ancestor_attention(q, kbuf, vbuf, anc, t + 1, cfg.heads, lens);
     return linear(out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
   }
   kbuf.select(0, t).copy_(qkv.slice(1, c, 2 * c));
@@ -271,13 +305,20 @@ std::tuple<Tensor, Tensor> cross_attention(const Config& cfg, const Tensor* w, c
 }
 
 // One decoder layer (TransformerDecoderLayerBase.forward, eval mode, incremental).
+struct Rows {  // where this step's rows read and write their self-attention keys/values
+  int64_t t;   // the step (the largest one, with lens)
+  Tensor anc;  // (n, >= t+1) int64 ancestor table, or undefined: caches in row order
+  Tensor lens; // (n,) int64 each row's step + 1, or undefined: every row at step t
+  Tensor phys; // (n,) int64 the cache row each row writes (with lens)
+};
+
 std::tuple<Tensor, Tensor> layer(const Config& cfg, const Tensor* w, Tensor x, Tensor& kbuf,
-                                 Tensor& vbuf, int64_t t, const Tensor& anc, const Tensor* cross,
+                                 Tensor& vbuf, const Rows& rows, const Tensor* cross,
                                  int64_t beam, bool need_attn) {
   const bool nb = cfg.normalize_before;
   Tensor residual = x;
   if (nb) x = layer_norm(x, w[kLn1W], w[kLn1B], cfg.eps1);
-  x = residual + self_attention(cfg, w, x, kbuf, vbuf, t, anc);
+  x = residual + self_attention(cfg, w, x, kbuf, vbuf, rows.t, rows.anc, rows.lens, rows.phys);
   if (!nb) x = layer_norm(x, w[kLn1W], w[kLn1B], cfg.eps1);
   Tensor attn;
   if (cross[0].defined()) {
@@ -317,7 +358,9 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
                                        int64_t t,
                                        int64_t beam, std::vector<double> scalars,
                                        std::vector<int64_t> ints, bool need_attn,
-                                       const std::optional<Tensor>& ancestors) {
+                                       const std::optional<Tensor>& ancestors,
+                                       const std::optional<Tensor>& row_lens,
+                                       const std::optional<Tensor>& row_phys) {
   const std::vector<Tensor> weights = defined_or_not(weights_in);
   const std::vector<Tensor> cross = defined_or_not(cross_in);
   const int64_t layers = static_cast<int64_t>(caches.size() / 2);
@@ -325,14 +368,28 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
   TORCH_CHECK(static_cast<int64_t>(cross.size()) == layers * 3, "cross per layer");
   TORCH_CHECK(scalars.size() == static_cast<size_t>(layers * 5), "scalars per layer");
   TORCH_CHECK(ints.size() == 5, "heads, head_dim, normalize_before, activation, fused");
-  const Tensor anc = ancestors.has_value() ? *ancestors : Tensor();
+  Rows rows{t, ancestors.has_value() ? *ancestors : Tensor(),
+            row_lens.has_value() ? *row_lens : Tensor(), row_phys.has_value() ? *row_phys : Tensor()};
+  if (rows.lens.defined()) {  // each row's own step reads the key/value it writes now
+    TORCH_CHECK(rows.anc.defined() && rows.phys.defined() && rows.lens.is_contiguous() &&
+                rows.phys.is_contiguous() && rows.lens.numel() == x.size(0) &&
+                rows.phys.numel() == x.size(0) && rows.anc.size(0) == x.size(0) &&
+                rows.anc.stride(1) == 1, "per-row steps: ancestors, lens and phys per row");
+    int64_t* ap = rows.anc.data_ptr<int64_t>();
+    const int64_t* lp = rows.lens.data_ptr<int64_t>();
+    const int64_t* pp = rows.phys.data_ptr<int64_t>();
+    for (int64_t r = 0; r < x.size(0); ++r) {
+      TORCH_CHECK(lp[r] >= 1 && lp[r] <= t + 1 && lp[r] <= rows.anc.size(1), "row step out of range");
+      ap[r * rows.anc.stride(0) + lp[r] - 1] = pp[r];
+    }
+  }
   Tensor attn;
   for (int64_t i = 0; i < layers; ++i) {
     const double* sc = scalars.data() + i * 5;
     Config cfg{ints[0], ints[1], sc[0], sc[1], ints[2] != 0, ints[3],
                sc[2], sc[3], sc[4], ints[4] != 0};
     auto [y, a] = layer(cfg, weights.data() + i * kWeights, x, caches[2 * i], caches[2 * i + 1],
-                        t, anc, cross.data() + 3 * i, beam, need_attn && i == layers - 1);
+                        rows, cross.data() + 3 * i, beam, need_attn && i == layers - 1);
     x = y;
     if (a.defined()) attn = a;
   }

@@ -89,6 +89,16 @@ class FastDecoder:
             self._native_wanted = False  # decided once
             self._native = native_step.build(self.stack, fused_cross=self._fused_cross)
 
+    def native_for_slots(self) -> Optional[native_step.NativeLayers]:
+        """The C++ layers for rows at different steps (continuous batching:
+        :class:`~fairseq_fastgen.models.slot_decoder.SlotDecoder`), or None: they need
+        the native step, ancestor-indexed caches and fp32."""
+        self.prepare()
+        if self._native is None or not self._ancestor_kv or \
+                self.stack.device_dtype()[1] != torch.float32:
+            return None
+        return self._native
+
     def start(self, encoder_out: Optional[dict], bsz: int, beam: int, max_len: int) -> None:
         """encoder_out: fairseq encoder output for ``bsz`` sentences (not replicated)."""
         self.step_idx = 0

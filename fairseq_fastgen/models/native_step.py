@@ -230,10 +230,24 @@ class NativeLayers:
         for c in cross:
             xs += [None, None, None] if c is None else [c.k, c.v, c.pad]
         out, attn = self.module.layers_step(x, self.weights(x.size(0)), caches, xs, t, beam,
-                                            self.scalars, self.ints, need_attn, ancestors)
+                                            self.scalars, self.ints, need_attn, ancestors,
+                                            None, None)
         for c in self_kv:
             c.advance()
         return out, attn
+
+    def at_row_steps(self, x: Tensor, caches: List[Tensor], xs: List[Optional[Tensor]],
+                     t_max: int, beam: int, ancestors: Tensor, lens: Tensor,
+                     phys: Tensor) -> Tensor:
+        """Rows at different steps (continuous batching): x (n, C) embedded queries;
+        caches: each layer's (k, v) buffers (T, P, C), row h's step-s key/value in row
+        ``ancestors[h, s]`` of step s; lens (n,) int64 each row's step + 1 (<= t_max + 1);
+        phys (n,) int64 the buffer row each row writes at its step (column lens - 1 of
+        ``ancestors`` is set to it); xs: each layer's (k, v, pad) of the rows' slots, or
+        three None.  Returns (n, C)."""
+        out, _ = self.module.layers_step(x, self.weights(x.size(0)), caches, xs, t_max, beam,
+                                         self.scalars, self.ints, False, ancestors, lens, phys)
+        return out
 
 
 def _proj(p: TransposedLinear, rows: int):

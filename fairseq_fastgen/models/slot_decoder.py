@@ -18,6 +18,18 @@ sentence of the data, which starts at step 0 while its neighbours are deeper.  S
 
 Rows are slot-major (row ``r`` belongs to slot ``r // beam``); the slot set is compact:
 :meth:`reorder` takes the rows that continue and the slots that stay.
+
+With the C++ layers (``native``, :mod:`~fairseq_fastgen.models.native_step`) the
+self-attention buffers are never reordered nor masked: each row owns a buffer row
+(``phys``) where it writes its key/value at its own step, and an ancestor table says in
+which buffer row each of its earlier steps lies (``anc[r, s]``), as in
+:meth:`FastDecoder.reorder <fairseq_fastgen.models.fast_decoder.FastDecoder.reorder>`;
+a row attends over its own ``step + 1`` positions only.  A beam reorder gathers ``anc``;
+a row keeps its buffer row (its sentence's rows own theirs while it lives: two rows that
+continue one hypothesis must not write to one place), except when slots are compacted
+away, where the rows take their buffer rows with them.  A sentence taking a freed slot
+takes its rows' buffer rows (the finished sentence no longer reads them); new slots take
+buffer rows no live row owns.  So a buffer row is written by one live sentence only.
 """
 from typing import List, Optional
 
@@ -118,10 +130,15 @@ class SlotDecoder:
     sentences: :meth:`batch_cross` once per batch, :meth:`admit` per slot they take.
     """
 
-    def __init__(self, stack: DecoderStack, beam: int):
-        """stack: a lossless-mode layer stack (shared with the batch-at-a-time decoder)."""
+    def __init__(self, stack: DecoderStack, beam: int, native=None):
+        """stack: a lossless-mode layer stack (shared with the batch-at-a-time decoder);
+        native: its :class:`~fairseq_fastgen.models.native_step.NativeLayers` (fp32), or
+        None: the Python step over masked buffers."""
         self.stack = stack
         self.beam = beam
+        self._native = native
+        self._anc: Optional[Tensor] = None  # (rows, T) int64, native: see the module doc
+        self._phys: Optional[Tensor] = None  # (rows,) int64, native: each row's buffer row
         self.vocab = self.stack.vocab
         self.cross: List[Optional[SlotCross]] = []
         for l in self.stack.layers:
@@ -141,6 +158,7 @@ class SlotDecoder:
         """Forget every slot (a new run of batches)."""
         self.k, self.v, self._spare = [], [], []
         self.rows = 0
+        self._anc = self._phys = None
         for c in self.cross:
             if c is not None:
                 c.k = c.v = c.pad = None
@@ -160,7 +178,33 @@ class SlotDecoder:
         for cross, b in zip(self.cross, batch):
             if cross is not None and b is not None:
                 cross.admit(slots, b, sents)
-        self._ensure(rows, max_steps)
+        if self._native is None:
+            self._ensure(rows, max_steps)
+        else:
+            self._own_rows(rows, max_steps)
+
+    def _own_rows(self, rows: int, steps: int) -> None:
+        """Native: rows past the ones in use take buffer rows no live row owns."""
+        old = self.rows
+        if self._phys is None:
+            self._phys = torch.zeros(0, dtype=torch.long, device=self.stack.device_dtype()[0])
+            self._anc = self._phys.new_zeros(0, steps)
+        if rows > self._phys.numel() or steps > self._anc.size(1):
+            anc = self._anc.new_zeros(max(rows, self._anc.size(0)), max(steps, self._anc.size(1)))
+            anc[: self._anc.size(0), : self._anc.size(1)] = self._anc
+            phys = self._phys.new_zeros(anc.size(0))
+            phys[: self._phys.numel()] = self._phys
+            self._anc, self._phys = anc, phys
+        need = rows
+        if rows > old:
+            size = max(rows, self.k[0].size(1) if self.k else 0)
+            used = torch.zeros(size, dtype=torch.bool, device=self._phys.device)
+            used[self._phys[:old]] = True
+            free = (~used).nonzero().squeeze(1)[: rows - old]
+            self._phys[old:rows] = free
+            need = int(free[-1]) + 1
+        self._ensure(max(need, self.k[0].size(1) if self.k else 0), steps)
+        self.rows = rows
 
     def _ensure(self, rows: int, steps: int) -> None:
         """Buffers of at least ``rows`` rows and ``steps`` positions; ``rows`` in use.
@@ -190,9 +234,16 @@ class SlotDecoder:
 
     def reorder(self, order: Tensor, keep_slots: Optional[Tensor], upto: int) -> None:
         """Row i becomes old row order[i] (n_new,) for every cached step < ``upto``
-        (double-buffered ``index_select`` into the rows' prefix); keep_slots (s_new,): the
-        slots that stay, in order (None: all)."""
+        (double-buffered ``index_select`` into the rows' prefix; native: of the ancestor
+        table); keep_slots (s_new,): the slots that stay, in order (None: all)."""
         n_new = order.numel()
+        if self._native is not None:
+            self._anc[:n_new, :upto] = self._anc[: self.rows, :upto].index_select(0, order)
+            if keep_slots is not None:  # compacted: rows keep the buffer rows they own
+                self._phys[:n_new] = self._phys[: self.rows].index_select(0, order)
+            self.rows = n_new
+            self._keep_slots(keep_slots)
+            return
         for j, (bufs, i) in enumerate((b, i) for i in range(len(self.k)) for b in (self.k, self.v)):
             cur = bufs[i]
             spare = self._spare[j]
@@ -201,6 +252,9 @@ class SlotDecoder:
             torch.index_select(cur[:upto, : self.rows], 1, order, out=spare[:upto, :n_new])
             bufs[i], self._spare[j] = spare, cur
         self.rows = n_new
+        self._keep_slots(keep_slots)
+
+    def _keep_slots(self, keep_slots: Optional[Tensor]) -> None:
         if keep_slots is not None:
             for c in self.cross:
                 if c is not None:
@@ -215,6 +269,11 @@ class SlotDecoder:
         pos = self._positions[0].index_select(0, steps).unsqueeze(1) if (
             self._positions is not None) else None
         x = self.stack.embed(last.unsqueeze(1), pos)
+        if self._native is not None:
+            x = self._native_layers(x, steps, t_max)
+            x = self.stack.final_features(x)
+            lprobs = self.stack.log_probs(x, temperature)[:, : self.vocab]
+            return lprobs, self.stack.logits_finite(x)
         ar = torch.arange(n, device=last.device)
         # (n, t_max+1): -inf where a row's history ends
         mask = torch.zeros(n, t_max + 1, device=x.device, dtype=x.dtype).masked_fill_(
@@ -227,6 +286,18 @@ class SlotDecoder:
         x = self.stack.final_features(x)
         lprobs = self.stack.log_probs(x, temperature)[:, : self.vocab]
         return lprobs, self.stack.logits_finite(x)
+
+    def _native_layers(self, x: Tensor, steps: Tensor, t_max: int) -> Tensor:
+        n = x.size(0)
+        slots = n // self.beam
+        caches: List[Tensor] = []
+        xs: List[Optional[Tensor]] = []
+        for k, v, c in zip(self.k, self.v, self.cross):
+            caches += [k, v]
+            xs += [None, None, None] if c is None else [
+                c.k[: slots * c.heads], c.v[: slots * c.heads], c.pad[:slots]]
+        return self._native.at_row_steps(x, caches, xs, t_max, self.beam, self._anc[:n],
+                                         steps + 1, self._phys[:n])
 
     def _self_attention(self, i: int, l: LayerWeights, x: Tensor, steps: Tensor, ar: Tensor,
                         t_max: int, mask: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from typing import Dict, List
 import torch
 from torch import Tensor
 
+from ...models import native_step
 from ..candidates import top_candidates
 
 
@@ -34,8 +35,11 @@ class SlotBeams:
     """
 
     def __init__(self, beam: int, eos: int, pad: int, normalize: bool, len_penalty: float,
-                 match_source_len: bool, device):
+                 match_source_len: bool, device, native: bool = False):
+        """native: candidates by the C++ extension's ``beam_candidates`` (CPU float32;
+        see :mod:`~fairseq_fastgen.search.candidates`)."""
         self.beam = beam
+        self._native = native_step.load() if native else None
         self.eos = eos
         self.pad = pad
         self.normalize = normalize
@@ -132,6 +136,9 @@ class SlotBeams:
         """(slots, 2*beam) scores, words and beams, as ``BeamSearch.step`` selects them."""
         s, k, _ = lp.shape
         cum = self.scores[: s * k].gather(1, (row_steps - 1).clamp(min=0).unsqueeze(1)).view(s, k)
+        if self._native is not None and lp.dtype == torch.float32 and lp.device.type == "cpu" \
+                and lp.stride(-1) == 1:
+            return self._native.beam_candidates(lp, cum, 2 * k, first)
         n_first = int(first.sum())
         if n_first == 0:
             return top_candidates(lp, cum, 2 * k)

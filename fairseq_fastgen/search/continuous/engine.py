@@ -98,7 +98,8 @@ class ContinuousBeamSearch:
         self.beam = generator.beam_size
         self.rules = StepRules.of(generator)
         # the generator's own layer stacks: one copy of the weights
-        self.decoders = [SlotDecoder(d.stack, self.beam) for d in generator._decoders()]
+        self.decoders = [SlotDecoder(d.stack, self.beam, native=d.native_for_slots())
+                         for d in generator._decoders()]
 
     def prepare(self) -> None:
         for d in self.decoders:
@@ -209,7 +210,8 @@ class _Run:
         if self.beams is None:
             g = eng.gen
             self.beams = SlotBeams(eng.beam, g.eos, g.pad, g.normalize_scores, g.len_penalty,
-                                   g.match_source_len, dev)
+                                   g.match_source_len, dev,
+                                   native=g.fastgen.native_candidates and not g.fastgen.bitwise)
         self.beams.ensure(len(self.slot_of), max(self.limits) + 1)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         self.beams.start(slot_t, eng.gen.eos)  # stock's start token (bos_token=None)
