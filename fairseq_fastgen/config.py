@@ -144,8 +144,9 @@ class FastGenConfig:
             "decoding: when a sentence finishes, the next sentence of the data takes its "
             "rows, so up to the largest batch's count of sentences is decoded at every step; "
             "each sentence keeps the length limit, prefix and rules of the batch stock puts "
-            "it in. on, off, or auto (on for CUDA; off on CPU, where a step costs in "
-            "proportion to its rows: see docs/continuous-batching.md). Lossless mode only",
+            "it in. on, off, or auto (on for CUDA, and on CPU with the C++ step: "
+            "native_step, ancestor_kv, fp32; see docs/continuous-batching.md). Lossless "
+            "mode only",
             "choices": CONTINUOUS_MODES,
         },
     )

@@ -122,10 +122,40 @@ def test_match_source_len_is_not_served(tiny):
     assert "LengthConstrainedBeamSearch" in unsupported(fast, task)
 
 
-def test_auto_is_off_on_cpu(tiny):
+def test_auto_on_cpu_needs_the_native_slot_step(tiny):
+    from fairseq_fastgen.models import native_step
+
     task, models, cfg = load(tiny.data, [tiny.preln])
     _, fast = generators(task, models, FastGenConfig(), beam=5)
-    assert "auto on CPU" in unsupported(fast, task)
+    if native_step.load() is not None:
+        assert unsupported(fast, task) is None
+    _, fast = generators(task, models, FastGenConfig(native_step=False), beam=5)
+    assert "auto on CPU without the C++ slot step" in unsupported(fast, task)
+
+
+def test_auto_on_cpu_sends_single_sentence_batches_to_the_batch_path(tiny, monkeypatch):
+    """batch 1 (nothing to refill): every batch decoded by ``regular``, in order, each
+    out before the next is read."""
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    stock, fast = generators(task, models, FastGenConfig(), beam=4, max_len_b=30)
+    samples = list(batches(task, cfg, 1, limit=6))
+    read, calls = [], []
+
+    def inputs():
+        for i, b in enumerate(samples):
+            read.append(i)
+            yield b, None
+
+    def regular(s, p):
+        calls.append(len(read))
+        return fast.generate(models, s, prefix_tokens=p)
+
+    engine = ContinuousBeamSearch(fast, regular=regular)
+    out = []
+    for sample, hypos in engine.run(inputs()):
+        out.append(len(read))
+        assert_same_hypos(stock.generate(models, sample), hypos, bitwise=False)
+    assert calls == [1, 2, 3, 4, 5, 6] and out == [1, 2, 3, 4, 5, 6]
 
 
 def test_bitwise_is_not_served(tiny):
@@ -177,9 +207,21 @@ def test_cli_auto_on_cpu_logs_why(tiny):
     from fairseq_fastgen.compare import run_generate
 
     r = run_generate([str(tiny.data), "--path", str(tiny.preln), "--beam", "2",
-                      "--fastgen-decode-workers", "1"], plugin=True)
+                      "--fastgen-decode-workers", "1", "--fastgen-no-native-step"], plugin=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "continuous batching off: auto on CPU" in r.stderr
+    assert "continuous batching off: auto on CPU without the C++ slot step" in r.stderr
+
+
+def test_cli_auto_on_cpu_is_continuous_and_lossless(tiny):
+    from fairseq_fastgen.compare import side_by_side
+    from fairseq_fastgen.models import native_step
+
+    if native_step.load() is None:
+        pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
+    args = [str(tiny.data), "--path", str(tiny.preln), "--beam", "5", "--batch-size", "8"]
+    res = side_by_side(args, plugin_args=["--fastgen-decode-workers", "1"])
+    assert res.comparison.lossless, res.comparison.differences[:5]
+    assert "continuous batching (" in res.plugin[0].stderr
 
 
 def test_slot_rows_never_share_a_buffer_row(tiny):
