@@ -247,3 +247,56 @@ def test_slot_rows_never_share_a_buffer_row(tiny):
     assert phys[:4] == [2, 3, 4, 5] and sorted(phys) == list(range(8))
     sd.reorder(t(1, 1, 2, 2, 5, 4, 6, 7), None, 1)  # a beam reorder: buffer rows stay
     assert sd._phys[:8].tolist() == phys
+
+
+@pytest.mark.parametrize("normalize,lenpen,match", [(True, 1.0, False), (True, 0.6, True),
+                                                    (False, 1.0, False)])
+def test_native_slot_bookkeeping_is_the_python_bit_for_bit(normalize, lenpen, match):
+    """csrc/slot_beams.cpp vs SlotBeams.step's statements, from the same candidates and
+    state (eos candidates among the first beam, ignored ones, slots nearly full)."""
+    from fairseq_fastgen.models import native_step
+    from fairseq_fastgen.search.continuous.beams import SlotBeams
+
+    if native_step.load() is None:
+        pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
+    g = torch.Generator().manual_seed(0)
+    k, s, width, eos, vocab = 3, 6, 12, 2, 9
+    states = []
+    for native in (False, True):
+        b = SlotBeams(k, eos, 1, normalize, lenpen, match, "cpu", native=native)
+        b.ensure(s, width)
+        states.append(b)
+    torch.manual_seed(0)
+    tokens = torch.randint(3, vocab, states[0].tokens.shape, generator=g)
+    scores = -torch.rand(states[0].scores.shape, generator=g).cumsum(1)
+    ignore = torch.rand(s, k, generator=g) < 0.2
+    count = torch.tensor([0, 1, 2, 3, 0, 2])
+    for b in states:
+        b.tokens.copy_(tokens)
+        b.scores.copy_(scores)
+        b.ignore.copy_(ignore)
+        b.fin_count.copy_(count)
+    cs = -torch.rand(s, 2 * k, generator=g).cumsum(1)
+    cs[1, 4] = float("-inf")
+    cw = torch.randint(2, 5, (s, 2 * k), generator=g)  # eos (2) often
+    cw[1, 4] = eos
+    cb = torch.randint(0, k, (s, 2 * k), generator=g)
+    steps = torch.tensor([0, 3, 5, 7, 10, 4])
+    src_len = torch.tensor([4, 2, 9, 3, 12, 4])
+    outs = []
+    for b in states:
+        b._candidates = lambda *a: (cs.clone(), cw.clone(), cb.clone())
+        order = b.step(torch.zeros(s * k, vocab), steps, steps.eq(0), src_len)
+        outs.append((order, b.had_eos.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    py, cc = states
+    assert torch.equal(py.tokens, cc.tokens) and torch.equal(py.scores, cc.scores)
+    assert torch.equal(py.ignore, cc.ignore) and torch.equal(py.fin_count, cc.fin_count)
+    assert bool(py.had_eos.any()) and bool((py.fin_count > count).any())
+    for slot in range(s):
+        for p in range(int(py.fin_count[slot])):
+            n = int(py.fin_len[slot, p])
+            assert n == int(cc.fin_len[slot, p])
+            assert torch.equal(py.fin_tokens[slot, p, :n], cc.fin_tokens[slot, p, :n])
+            assert torch.equal(py.fin_pos[slot, p, :n], cc.fin_pos[slot, p, :n])
+            assert torch.equal(py.fin_score[slot, p], cc.fin_score[slot, p])

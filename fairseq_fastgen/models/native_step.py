@@ -40,7 +40,7 @@ _load_error: Optional[str] = None
 def sources() -> List[Path]:
     """The extension's C++ files: the layers (with the module definition) first."""
     d = Path(__file__).resolve().parents[1] / "csrc"
-    return [d / "decoder_layers.cpp", d / "beam_candidates.cpp"]
+    return [d / "decoder_layers.cpp", d / "beam_candidates.cpp", d / "slot_beams.cpp"]
 
 
 def load():

@@ -111,6 +111,15 @@ class SlotBeams:
         lp = lprobs.view(s, k, -1)
         row_steps = steps.repeat_interleave(k)
         cand_scores, cand_words, cand_beams = self._candidates(lp, row_steps, first)
+        if self._native is not None and cand_scores.device.type == "cpu" and \
+                cand_scores.dtype == torch.float32 and self.scores.dtype == torch.float32:
+            # the statements below in one C++ pass (csrc/slot_beams.cpp), same bits
+            order, self.had_eos = self._native.slot_beams_step(
+                cand_scores, cand_words, cand_beams, steps, src_len, self.tokens, self.scores,
+                self.ignore, self.fin_tokens, self.fin_pos, self.fin_score, self.fin_len,
+                self.fin_count, self.eos, self.normalize, self.len_penalty,
+                self.match_source_len)
+            return order
         cand_bbsz = cand_beams + (torch.arange(s, device=self.device) * k).unsqueeze(1)
         eos_mask = cand_words.eq(self.eos) & cand_scores.ne(-math.inf)
         eos_mask[:, :k][self.ignore[:s]] = False
