@@ -64,10 +64,11 @@ SCENARIOS = {
     "sigint-group": Scenario(signal.SIGINT, "group", 0.4),
     "sigkill-main": Scenario(signal.SIGKILL, "main", 0.4),
     "sigkill-decoder": Scenario(signal.SIGKILL, "fastgen-dec-", 0.3),
-    # one torch thread: decoding in the main process, as 1-thread decoding workers decode
-    # (so the reference's lines apply), text in postprocessing workers
-    "sigkill-postprocessor": Scenario(signal.SIGKILL, "fastgen-post-", 0.3, flags=(),
-                                      threads=1),
+    # one torch thread: decoding in the main process, batch at a time, as 1-thread
+    # decoding workers decode (so the reference's lines apply), text in postprocessing
+    # workers
+    "sigkill-postprocessor": Scenario(signal.SIGKILL, "fastgen-post-", 0.3,
+                                      flags=("--fastgen-continuous", "off"), threads=1),
 }
 
 
@@ -182,7 +183,7 @@ def test_run_ends_whole(outcomes, name):
     sc, res, ref = SCENARIOS[name], outcomes[name], outcomes["reference"]
     tail = res.stderr[-3000:]
     # the run had its workers: both kinds are in the session while it ran
-    kind = "fastgen-dec-" if sc.flags else "fastgen-post-"
+    kind = "fastgen-dec-" if "--fastgen-decode-workers" in sc.flags else "fastgen-post-"
     assert any(c.startswith(kind) for c in res.seen.values()), (res.seen, tail)
     assert not res.survivors, (f"alive {SURVIVAL_S:.0f} s after the main process ended: "
                                f"{res.survivors}", tail)
