@@ -203,7 +203,7 @@ class SlotDecoder:
             free = (~used).nonzero().squeeze(1)[: rows - old]
             self._phys[old:rows] = free
             need = int(free[-1]) + 1
-        self._ensure(max(need, self.k[0].size(1) if self.k else 0), steps)
+        self._ensure(need, steps)  # (keeps larger buffers as they are)
         self.rows = rows
 
     def _ensure(self, rows: int, steps: int) -> None:

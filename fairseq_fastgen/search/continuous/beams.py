@@ -36,8 +36,9 @@ class SlotBeams:
 
     def __init__(self, beam: int, eos: int, pad: int, normalize: bool, len_penalty: float,
                  match_source_len: bool, device, native: bool = False):
-        """native: candidates by the C++ extension's ``beam_candidates`` (CPU float32;
-        see :mod:`~fairseq_fastgen.search.candidates`)."""
+        """native: on CPU float32, candidates by the C++ extension's ``beam_candidates``
+        (see :mod:`~fairseq_fastgen.search.candidates`) and the rest of :meth:`step` by
+        its ``slot_beams_step`` (``csrc/slot_beams.cpp``, same bits)."""
         self.beam = beam
         self._native = native_step.load() if native else None
         self.eos = eos
@@ -112,7 +113,7 @@ class SlotBeams:
         row_steps = steps.repeat_interleave(k)
         cand_scores, cand_words, cand_beams = self._candidates(lp, row_steps, first)
         if self._native is not None and cand_scores.device.type == "cpu" and \
-                cand_scores.dtype == torch.float32 and self.scores.dtype == torch.float32:
+                cand_scores.dtype == torch.float32:
             # the statements below in one C++ pass (csrc/slot_beams.cpp), same bits
             order, self.had_eos = self._native.slot_beams_step(
                 cand_scores, cand_words, cand_beams, steps, src_len, self.tokens, self.scores,
