@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Continuous batching ablation (issue 16): one process, stock vs fastgen with and without
-``--fastgen-continuous``, side by side in one run.
+"""Continuous batching ablation (issue 16): stock vs fastgen with and without
+``--fastgen-continuous`` and its row bound, side by side in one run.
 
-Every system decodes in the main process (``--fastgen-decode-workers 1``), so the figure
-is the engine's, not the decoding workers'.  Runs are interleaved (order rotated per
+The "one process" systems decode in the main process (``--fastgen-decode-workers 1``), so
+the figure is the engine's, not the decoding workers'; the "workers" systems are fastgen's
+defaults (decoding workers, each decoding its batches as one stream) with the engine off,
+on without a row bound below the batch, and on with the default bound.  Runs are interleaved (order rotated per
 round), times are fairseq's own generation time (min over rounds), and each fastgen
 output is checked lossless against stock's output of the same round.
 
@@ -22,10 +24,16 @@ sys.path.insert(0, str(ROOT))
 from fairseq_fastgen.compare import compare_outputs, run_generate  # noqa: E402
 
 BUNDLE = ROOT / "examples" / "bible" / "bundle" / "es-en"
+ONE = ["--fastgen-decode-workers", "1"]
+WHOLE = ["--fastgen-continuous-rows", "100000"]  # no bound below the largest batch
 SYSTEMS = {
     "stock": None,
-    "fastgen (continuous off)": ["--fastgen-decode-workers", "1", "--fastgen-continuous", "off"],
-    "fastgen (continuous on)": ["--fastgen-decode-workers", "1", "--fastgen-continuous", "on"],
+    "one process, continuous off": ONE + ["--fastgen-continuous", "off"],
+    "one process, whole batches": ONE + ["--fastgen-continuous", "on"] + WHOLE,
+    "one process, default": ONE,
+    "workers, continuous off": ["--fastgen-continuous", "off"],
+    "workers, whole batches": WHOLE,
+    "workers, default": [],
 }
 
 
@@ -73,11 +81,12 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "continuous_batching"))
     a = p.parse_args()
     cells = [cell(b, a.beam, a.subset, a.rounds) for b in a.batches]
-    res = {"cpu": cpu_name(), "threads": "torch default (all cores)", "cells": cells}
+    res = {"cpu": cpu_name(), "threads": "torch default (all cores)", "cells": cells,
+           "systems": SYSTEMS}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    lines = [f"# Continuous batching ablation, one process ({res['cpu']})", "",
+    lines = [f"# Continuous batching ablation ({res['cpu']})", "",
              "Generation time (fairseq's own), min of interleaved rounds; speed-up over stock.",
              "", "| batch | beam | " + " | ".join(SYSTEMS) + " | lossless |",
              "|---|---|" + "---|" * (len(SYSTEMS) + 1)]

@@ -64,12 +64,18 @@ SCENARIOS = {
     "sigint-group": Scenario(signal.SIGINT, "group", 0.4),
     "sigkill-main": Scenario(signal.SIGKILL, "main", 0.4),
     "sigkill-decoder": Scenario(signal.SIGKILL, "fastgen-dec-", 0.3),
-    # one torch thread: decoding in the main process, batch at a time, as 1-thread
-    # decoding workers decode (so the reference's lines apply), text in postprocessing
-    # workers
-    "sigkill-postprocessor": Scenario(signal.SIGKILL, "fastgen-post-", 0.3,
-                                      flags=("--fastgen-continuous", "off"), threads=1),
+    # one torch thread: decoding in the main process, text in postprocessing workers
+    "sigkill-postprocessor": Scenario(signal.SIGKILL, "fastgen-post-", 0.3, flags=(),
+                                      threads=1),
 }
+# the uninterrupted run each scenario's lines must be a prefix of (byte for byte: the
+# same decoding, in workers or in the main process)
+REFERENCES = {"reference": Scenario(0, "", 1.0),
+              "reference-main": Scenario(0, "", 1.0, flags=(), threads=1)}
+
+
+def _reference(sc: Scenario) -> str:
+    return "reference" if sc.flags else "reference-main"
 
 
 # ---- the run's processes, from /proc ---------------------------------------------------
@@ -159,7 +165,7 @@ def _run(sc: Optional[Scenario], tmp: Path) -> Outcome:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> Dict[str, Outcome]:
     """Every scenario and the uninterrupted reference, three runs at a time."""
-    jobs = {"reference": None, **SCENARIOS}
+    jobs = {**REFERENCES, **SCENARIOS}
     dirs = {name: tmp_path_factory.mktemp(name) for name in jobs}
     with ThreadPoolExecutor(max_workers=3) as ex:
         futures = {name: ex.submit(_run, sc, dirs[name]) for name, sc in jobs.items()}
@@ -175,12 +181,17 @@ def test_reference_run_completes(outcomes):
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert _output_lines(ref.stdout) and ref.stdout.count("\nH-") + 1 >= SENTENCES
     assert "2 decoding worker(s) x 1 torch thread(s)" in ref.stderr
+    # the workers' scenarios stop workers that decode their batches as one stream
+    assert "each decoding its batches as one stream" in ref.stderr
     assert not ref.survivors
+    main = outcomes["reference-main"]
+    assert main.returncode == 0 and main.stdout.count("\nH-") + 1 >= SENTENCES
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_run_ends_whole(outcomes, name):
-    sc, res, ref = SCENARIOS[name], outcomes[name], outcomes["reference"]
+    sc, res = SCENARIOS[name], outcomes[name]
+    ref = outcomes[_reference(sc)]
     tail = res.stderr[-3000:]
     # the run had its workers: both kinds are in the session while it ran
     kind = "fastgen-dec-" if "--fastgen-decode-workers" in sc.flags else "fastgen-post-"

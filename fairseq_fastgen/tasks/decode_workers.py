@@ -14,6 +14,10 @@ The last batches of a run are cut into one part per worker (:func:`split_sample`
 longest batches come last (fairseq orders them by length), and a worker finishing one
 alone would leave the other cores idle for most of its time.
 
+Where the continuous-batching engine serves the generator, each worker decodes the
+batches it takes as one stream (stream_worker.py): a batch is still taken, encoded and
+decoded by one worker, its finished sentences' rows going to the next sentences it holds.
+
 Each worker also turns its batch into text (the pipeline's postprocessing), so decoding
 and postprocessing overlap without taking a core from a decoder.
 

@@ -291,9 +291,13 @@ def _decoding_pool(state, job, writer, meters, n_decoders: int, threads: int,
         writer.write(text, scoring)
         meters.add(*stats)
 
-    pool = Pool(state, n_decoders, on_result, job=job, threads=per_worker, fault=fault)
+    engine = job.continuous()
+    pool = Pool(state, n_decoders, on_result, job=job, threads=per_worker, fault=fault,
+                engine=engine)
     logger.info("generate pipeline: %d decoding worker(s) x %d torch thread(s), each "
-                "also postprocessing its batches", n_decoders, per_worker)
+                "also postprocessing its batches%s", n_decoders, per_worker,
+                ", each decoding its batches as one stream (continuous batching)"
+                if engine is not None else "")
     return pool
 
 

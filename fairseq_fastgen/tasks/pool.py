@@ -67,7 +67,7 @@ class PipelineWorkerError(RuntimeError):
 
 
 def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nice: int,
-                 job=None, threads: int = 1, fault: Fault = None):
+                 job=None, threads: int = 1, fault: Fault = None, engine=None):
     # First of all: die with the main process, however it ends (see lifecycle).
     lifecycle.die_with_parent(parent_pid)
     lifecycle.set_process_name(mp.current_process().name)  # what ps and errors call us
@@ -79,6 +79,10 @@ def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nic
             os.nice(nice)
         except OSError:  # pragma: no cover
             pass
+    if engine is not None:  # continuous batching over the batches this worker takes
+        from .stream_worker import stream_loop
+
+        return stream_loop(st, tasks, results, parent_pid, job, engine, fault)
     while True:
         try:
             item = tasks.get(timeout=1.0)
@@ -115,15 +119,20 @@ class Pool:
     Without ``job`` the workers postprocess records decoded in the main process
     (:meth:`submit`); with one (:class:`~fairseq_fastgen.tasks.decode_workers.DecodeJob`)
     each worker decodes the samples it is given (:meth:`submit_sample`) with ``threads``
-    torch threads and postprocesses them.  ``on_result(text, scoring, stats)`` sees
-    results strictly in submission order.  ``fault`` (tests only) runs in a worker
-    before each batch.
+    torch threads and postprocesses them; with ``engine`` (a
+    :class:`~fairseq_fastgen.search.continuous.ContinuousBeamSearch`) each worker decodes
+    the batches it takes as one stream (stream_worker.py).  ``on_result(text, scoring,
+    stats)`` sees results strictly in submission order.  ``fault`` (tests only) runs in a
+    worker before each batch.
     """
 
     def __init__(self, state: WorkerState, n_workers: int, on_result, use_cuda=False,
-                 max_in_flight=None, job=None, threads: int = 1, fault: Fault = None):
+                 max_in_flight=None, job=None, threads: int = 1, fault: Fault = None,
+                 engine=None):
         ctx = mp.get_context("fork")
-        self.max_in_flight = max_in_flight or 2 * n_workers + 2
+        # a streaming worker holds up to two batches while its neighbour finishes the
+        # oldest: more in flight keeps the others fed meanwhile
+        self.max_in_flight = max_in_flight or (4 if engine is not None else 2) * n_workers + 2
         self.tasks = ctx.Queue(maxsize=self.max_in_flight)
         self.results = ctx.Queue()
         self.on_result = on_result
@@ -144,7 +153,7 @@ class Pool:
             for wid in range(n_workers):
                 p = ctx.Process(target=_worker_loop, name=f"fastgen-{kind}-{wid}",
                                 args=(state, self.tasks, self.results, os.getpid(), wid,
-                                      nice, job, threads, fault),
+                                      nice, job, threads, fault, engine),
                                 daemon=True)
                 p.start()
                 self.procs.append(p)

@@ -11,6 +11,10 @@ each at its own step.  Batches come out whole and in input order.
 
 Batches the engine does not serve (a prefix that contains eos: stock then copies beams
 across the batch) are decoded by the generator's batch-at-a-time path, in order.
+
+The input is an iterable of batches, or a feed (:class:`Feed`) that may have no batch
+yet: a decoding worker's task queue (tasks/stream_worker.py), which must not be waited on
+while sentences are in flight.
 """
 import logging
 from collections import deque
@@ -25,6 +29,11 @@ from ..step_rules import StepAt, StepRules
 from .beams import SlotBeams
 
 logger = logging.getLogger(__name__)
+
+# --fastgen-continuous-rows 0 on CPU: rows in flight at most.  Measured (Xeon, es->en,
+# beam 5, docs/continuous-batching.md): 16-32 sentences beat 64, 1 and 2 threads alike;
+# a step's (rows, vocab) logits then stay in the core's cache.
+AUTO_CPU_ROWS = 128
 
 
 def unsupported(generator, task=None, constraints: bool = False) -> Optional[str]:
@@ -63,6 +72,19 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
     return None
 
 
+class Feed:
+    """The engine's input: ``take(wait)`` gives the next ``(sample, prefix_tokens)``,
+    None when there is none yet (only with ``wait`` False: the engine then steps the
+    sentences in flight and asks again), and raises StopIteration at the end.  The engine
+    waits only when nothing is in flight."""
+
+    def __init__(self, batches: Iterable[Tuple[Dict[str, Any], Optional[Tensor]]]):
+        self._it = iter(batches)
+
+    def take(self, wait: bool) -> Optional[Tuple[Dict[str, Any], Optional[Tensor]]]:
+        return next(self._it)
+
+
 @dataclass
 class _Batch:
     """One input batch in flight: its sample and its sentences' results."""
@@ -86,7 +108,7 @@ class ContinuousBeamSearch:
 
     generator: a :class:`~fairseq_fastgen.search.fast_sequence_generator.FastSequenceGenerator`
     whose fast path serves these batches; ``capacity``: sentences in flight at most (0:
-    the largest batch seen so far); ``regular(sample, prefix_tokens)``: the
+    the largest batch seen so far, at most ``--fastgen-continuous-rows`` rows); ``regular(sample, prefix_tokens)``: the
     batch-at-a-time decoding of a batch the engine does not serve.  With ``auto`` on
     CPU, while no batch has had more than one sentence, batches go to ``regular``
     (nothing to refill; measured 4% faster there, docs/continuous-batching.md).
@@ -98,6 +120,9 @@ class ContinuousBeamSearch:
         self.capacity = capacity
         self.regular = regular
         self.beam = generator.beam_size
+        rows = generator.fastgen.continuous_rows or (
+            0 if next(generator.model.parameters()).is_cuda else AUTO_CPU_ROWS)
+        self.max_slots = max(1, rows // self.beam) if rows else None
         self.rules = StepRules.of(generator)
         self.singles_regular = regular is not None and generator.fastgen.continuous == "auto" \
             and not next(generator.model.parameters()).is_cuda
@@ -111,20 +136,20 @@ class ContinuousBeamSearch:
 
     # ---- the stream ---------------------------------------------------------------------
 
-    def run(self, batches: Iterable[Tuple[Dict[str, Any], Optional[Tensor]]]
-            ) -> Iterator[Tuple[Dict[str, Any], list]]:
-        """(sample, prefix_tokens) in, (sample, hypos) out in the same order; hypos as
-        ``SequenceGenerator.generate`` returns them."""
+    def run(self, batches) -> Iterator[Tuple[Dict[str, Any], list]]:
+        """(sample, prefix_tokens) in (an iterable, or a :class:`Feed`), (sample, hypos)
+        out in the same order; hypos as ``SequenceGenerator.generate`` returns them."""
+        feed = batches if hasattr(batches, "take") else Feed(batches)
         with torch.no_grad():
-            yield from _Run(self, iter(batches)).loop()
+            yield from _Run(self, feed).loop()
 
 
 class _Run:
     """The state of one :meth:`ContinuousBeamSearch.run`."""
 
-    def __init__(self, eng: ContinuousBeamSearch, batches: Iterator):
+    def __init__(self, eng: ContinuousBeamSearch, feed: Feed):
         self.eng = eng
-        self.batches = batches
+        self.feed = feed
         self.exhausted = False
         self.order: Deque[_Batch] = deque()  # batches not yet handed out, input order
         self.pending: Deque[_Pending] = deque()
@@ -151,17 +176,21 @@ class _Run:
     # ---- input -------------------------------------------------------------------------
 
     def _pull(self) -> bool:
-        """Encode the next batch into the pending sentences; False at the end or when
-        the batch was decoded batch-at-a-time (it is then ready to go out)."""
+        """Encode the next batch into the pending sentences; False at the end, when the
+        feed has none yet, or when the batch was decoded batch-at-a-time (it is then
+        ready to go out)."""
         while True:
             try:
-                sample, prefix = next(self.batches)
+                got = self.feed.take(wait=not self.slot_of and not self.pending)
             except StopIteration:
                 self.exhausted = True
                 return False
+            if got is None:
+                return False
+            sample, prefix = got
             bsz = sample["net_input"]["src_tokens"].size(0)
             if self.eng.capacity == 0:  # the largest batch seen (fairseq's batches <= --batch-size)
-                self.capacity = max(self.capacity, bsz)
+                self.capacity = max(self.capacity, min(bsz, self.eng.max_slots or bsz))
             b = _Batch(sample, [None] * bsz, bsz, prefix)
             self.order.append(b)
             if bsz == 0:
