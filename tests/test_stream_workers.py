@@ -134,3 +134,23 @@ def test_cli_streaming_workers_lossless(tiny, opts, plugin):
     assert STREAM_LOG in res.plugin[0].stderr, res.plugin[0].stderr[-2000:]
     assert res.comparison.lossless, res.comparison.differences[:5]
     assert res.stock[0].stdout.count("\nH-") >= 30
+
+
+def test_streaming_worker_error_names_the_batch():
+    """A streaming worker that raises stops the run with its traceback and the batch it
+    had taken, at once (no hang)."""
+    import re
+    import time
+
+    from fairseq_fastgen.compare import run_generate
+    from fairseq_fastgen.tasks.generate import FAULT_ENV
+
+    args = bundled("kjv-web").args + ["--gen-subset", "test1", "--beam", "2",
+                                      "--batch-size", "8"]
+    t0 = time.perf_counter()
+    r = run_generate(args, plugin=True, env={FAULT_ENV: "raise"}, threads=2)
+    assert r.returncode != 0
+    assert STREAM_LOG in r.stderr, r.stderr[-2000:]
+    assert re.search(r"a decoding worker failed on batch \d+; stopping", r.stderr), r.stderr[-2000:]
+    assert "RuntimeError: planted fault" in r.stderr
+    assert time.perf_counter() - t0 < 60
