@@ -140,9 +140,8 @@ class FastGenConfig:
     continuous: str = field(
         default="auto",
         metadata={
-            "help": "continuous batching of beam search in fairseq-generate (in the main "
-            "process and in each decoding worker): when a sentence finishes, the next sentence of the data takes its "
-            "rows, so up to the largest batch's count of sentences is decoded at every step; "
+            "help": "continuous batching of beam search in fairseq-generate (main process "
+            "and decoding workers): when a sentence finishes, the next one takes its rows, up to the largest batch's count of sentences is decoded at every step; "
             "each sentence keeps the length limit, prefix and rules of the batch stock puts "
             "it in. on, off, or auto (on for CUDA, and on CPU with the C++ step: "
             "native_step, ancestor_kv, fp32; see docs/continuous-batching.md). Lossless "

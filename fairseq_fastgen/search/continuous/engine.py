@@ -108,8 +108,8 @@ class ContinuousBeamSearch:
 
     generator: a :class:`~fairseq_fastgen.search.fast_sequence_generator.FastSequenceGenerator`
     whose fast path serves these batches; ``capacity``: sentences in flight at most (0:
-    the largest batch seen so far, at most ``--fastgen-continuous-rows`` rows); ``regular(sample, prefix_tokens)``: the
-    batch-at-a-time decoding of a batch the engine does not serve.  With ``auto`` on
+    the largest batch seen so far, at most ``--fastgen-continuous-rows`` rows);
+    ``regular(sample, prefix_tokens)``: the batch-at-a-time decoding of a batch the engine does not serve.  With ``auto`` on
     CPU, while no batch has had more than one sentence, batches go to ``regular``
     (nothing to refill; measured 4% faster there, docs/continuous-batching.md).
     """
