@@ -99,6 +99,22 @@ def generators(task, models, fastgen: FastGenConfig, **gen):
     return stock, fast
 
 
+def count_slots(monkeypatch) -> list:
+    """Sentences in flight at each engine step, appended as the continuous engine steps
+    (its ``_Run._step`` wrapped for the test's duration)."""
+    from fairseq_fastgen.search.continuous import engine as eng
+
+    seen = []
+    step = eng._Run._step
+
+    def counting(self):
+        seen.append(len(self.slot_of))
+        return step(self)
+
+    monkeypatch.setattr(eng._Run, "_step", counting)
+    return seen
+
+
 def batches(task, cfg, batch_size, subset=None, limit=None):
     ds = task.dataset(subset or cfg.dataset.gen_subset)
     # without disable_iterator_cache fairseq hands back the dataset's first iterator

@@ -4,7 +4,7 @@ stock gives it in its own batch (lossless: identical tokens, scores within 1e-4)
 import pytest
 import torch
 
-from conftest import assert_same_hypos, batches, generators, load
+from conftest import assert_same_hypos, batches, count_slots, generators, load
 from fairseq_fastgen.config import FastGenConfig
 from fairseq_fastgen.search.continuous import ContinuousBeamSearch, unsupported
 
@@ -100,16 +100,7 @@ def test_ensemble(tiny):
 @pytest.mark.parametrize("capacity", [1, 3, 20])
 def test_capacity_bounds_slots(tiny, capacity, monkeypatch):
     """Never more sentences in flight than the capacity; output unchanged."""
-    from fairseq_fastgen.search.continuous import engine as eng
-
-    seen = []
-    step = eng._Run._step
-
-    def counting(self):
-        seen.append(len(self.slot_of))
-        return step(self)
-
-    monkeypatch.setattr(eng._Run, "_step", counting)
+    seen = count_slots(monkeypatch)
     task, models, cfg = load(tiny.data, [tiny.preln])
     run_stream(task, models, cfg, 7, dict(beam=4, max_len_b=30), capacity=capacity)
     assert max(seen) == capacity

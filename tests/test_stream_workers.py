@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from conftest import assert_same_hypos, batches, bundled, generators, load
+from conftest import assert_same_hypos, batches, bundled, count_slots, generators, load
 from fairseq_fastgen.compare import side_by_side
 from fairseq_fastgen.config import FastGenConfig
 from fairseq_fastgen.search.continuous import ContinuousBeamSearch
@@ -71,14 +71,7 @@ def test_feed_with_no_batch_yet_changes_nothing(tiny, monkeypatch):
 def test_rows_bound_sentences_in_flight(tiny, monkeypatch, rows, beam, slots):
     """--fastgen-continuous-rows (0: 128 on CPU) bounds slots at rows // beam (at least
     one) below the batch size; output unchanged."""
-    seen = []
-    step = eng._Run._step
-
-    def counting(self):
-        seen.append(len(self.slot_of))
-        return step(self)
-
-    monkeypatch.setattr(eng._Run, "_step", counting)
+    seen = count_slots(monkeypatch)
     task, models, cfg = load(tiny.data, [tiny.preln])
     stock, fast = generators(task, models, FastGenConfig(continuous="on",
                                                          continuous_rows=rows),
