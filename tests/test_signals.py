@@ -176,6 +176,19 @@ def _output_lines(text: str) -> List[str]:
     return [line for line in text.splitlines() if OUTPUT_LINE.match(line)]
 
 
+def _same_line(got: str, want: str, tol: float = 1e-4) -> bool:
+    """Equal lines, H/D/P scores within ``tol``: the streaming workers' steps group
+    sentences as the batches arrive, so their GEMM rows (and scores' last bits) vary."""
+    g, w = got.split("\t"), want.split("\t")
+    if g[0] != w[0] or len(g) != len(w) or g[0][:1] not in "HDP":
+        return got == want
+    if g[0].startswith("P"):
+        gs, ws = g[1].split(), w[1].split()
+        return len(gs) == len(ws) and all(abs(float(a) - float(b)) <= tol
+                                          for a, b in zip(gs, ws))
+    return abs(float(g[1]) - float(w[1])) <= tol and g[2:] == w[2:]
+
+
 def test_reference_run_completes(outcomes):
     ref = outcomes["reference"]
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -220,7 +233,9 @@ def test_run_ends_whole(outcomes, name):
 
     assert res.stdout == "" or res.stdout.endswith("\n"), res.stdout[-200:]
     got, want = _output_lines(res.stdout), _output_lines(ref.stdout)
-    assert got == want[:len(got)], "the lines written are not a prefix of the full run's"
+    assert len(got) <= len(want) and all(map(_same_line, got, want)), (
+        "the lines written are not a prefix of the full run's",
+        next(((a, b) for a, b in zip(got, want) if not _same_line(a, b)), None))
     if sc.at >= 0.4:  # mid-run and later: the signal came after that much was written
         assert res.stdout.count("\nH-") + 1 >= int(sc.at * SENTENCES), res.stdout[-200:]
     assert len(got) < len(want)  # stopped before the end
