@@ -84,6 +84,7 @@ import logging
 import sys
 
 from . import config as fg_config
+from . import config_sources
 from . import drops, input_check, run_config
 from .tasks import interactive_workers
 
@@ -154,7 +155,7 @@ def _wrap_build_generator(original):
         # The task's own node too: fairseq-train's --eval-bleu hands a Namespace, and
         # fairseq-hydra-train imports the plugin only inside its main, after call_main.
         cfg = run_config.resolve(*(c for c in (getattr(self, "cfg", None), args)
-                                   if fg_config.is_node(c)))
+                                   if config_sources.is_node(c)))
         _disable_fused_encoder_layers(models)
         if not cfg.enabled or seq_gen_cls is not None or getattr(args, "score_reference", False):
             return original(self, models, args, seq_gen_cls=seq_gen_cls,
@@ -215,7 +216,7 @@ def _wrap_hub_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         cfg = getattr(self, "cfg", None)
-        fastgen = run_config.resolve(cfg if fg_config.is_node(cfg) else None)
+        fastgen = run_config.resolve(cfg if config_sources.is_node(cfg) else None)
         # the caller gets fewer outputs than inputs: one line names the ones dropped
         with run_config.run(fastgen, generation=True), drops.counting(detail=False):
             return original(self, *args, **kwargs)
@@ -246,7 +247,7 @@ def _wrap_add_args(original):
     @functools.wraps(original)
     def add_checkpoint_args(parser):
         group = original(parser)
-        fg_config.add_args(parser)
+        config_sources.add_args(parser)
         return group
 
     return add_checkpoint_args
@@ -257,7 +258,7 @@ def _wrap_parse(original):
     def parse_args_and_arch(*args, **kwargs):
         result = original(*args, **kwargs)
         parsed = result[0] if isinstance(result, tuple) else result
-        cfg = fg_config.from_namespace(parsed)
+        cfg = config_sources.from_namespace(parsed)
         if cfg is not None and cfg != fg_config.active():
             fg_config.set_active(cfg)
             logger.info(cfg.describe())

@@ -14,8 +14,8 @@ from argparse import Namespace
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
-from . import config
-from .config import FastGenConfig
+from . import config_sources
+from .config import FastGenConfig, active
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ def resolve(*sources) -> FastGenConfig:
             continue
         values = None
         if isinstance(source, Namespace):
-            values = config.namespace_values(source)
-        elif config.is_node(source):
-            values = config.hydra_values(source)
+            values = config_sources.namespace_values(source)
+        elif config_sources.is_node(source):
+            values = config_sources.hydra_values(source)
         elif isinstance(source, Mapping):
             values = source
         if values:
@@ -72,7 +72,7 @@ def run(fastgen: FastGenConfig, generation: bool = False) -> Iterator[FastGenCon
 def current() -> FastGenConfig:
     """The config of the run in progress; the process default outside any run."""
     r = _run.get()
-    return config.active() if r is None else r.fastgen
+    return active() if r is None else r.fastgen
 
 
 def generating() -> bool:

@@ -222,13 +222,13 @@ def test_config_and_install():
     from fairseq_cli import generate
 
     import fairseq_fastgen
-    from fairseq_fastgen import config as fg_config
+    from fairseq_fastgen import config_sources
     from fairseq_fastgen.config import FastGenConfig, FastGenConfigError
 
     assert FastGenConfig().pipeline and FastGenConfig().pipeline_workers == 0
     parser = options.get_generation_parser()
     args, _ = parser.parse_known_args(["--fastgen-no-pipeline", "--fastgen-pipeline-workers", "3"])
-    cfg = fg_config.from_namespace(args)
+    cfg = config_sources.from_namespace(args)
     assert cfg.pipeline is False and cfg.pipeline_workers == 3
     assert FastGenConfig.from_mapping({"pipeline_workers": "2"}).pipeline_workers == 2
     with pytest.raises(FastGenConfigError, match="'pipeline_workers'"):

@@ -12,6 +12,7 @@ import torch
 
 import fairseq_fastgen
 from fairseq_fastgen import config as fg_config
+from fairseq_fastgen import config_sources
 from fairseq_fastgen import run_config
 from fairseq_fastgen.checkpoint import CheckpointError
 from fairseq_fastgen.config import FastGenConfig
@@ -89,7 +90,7 @@ def test_precedence_default_then_flags_then_hydra_node(tiny):
     for node in (cfg, cfg.generation, cfg.task):  # any depth of the tree
         got = run_config.resolve(args, node)
         assert not got.bitwise and not got.kv_cache
-    assert run_config.resolve(args, cfg.generation) == fg_config.from_hydra(cfg.generation)
+    assert run_config.resolve(args, cfg.generation) == config_sources.from_hydra(cfg.generation)
     whole = FastGenConfig(enabled=False)
     assert run_config.resolve(cfg, whole) is whole
     assert run_config.resolve(object(), 3) == fg_config.active()  # carry nothing

@@ -8,6 +8,7 @@ import pytest
 
 import fairseq_fastgen
 from fairseq_fastgen import config as fg_config
+from fairseq_fastgen import config_sources
 from fairseq_fastgen.config import FastGenConfig, FastGenConfigError
 
 
@@ -97,15 +98,15 @@ def test_hydra_fastgen_node_is_read(tiny):
     cfg = convert_namespace_to_omegaconf(args)
     with open_dict(cfg):
         cfg.fastgen = {"bitwise": True, "kv_cache": "false"}
-    got = fg_config.from_hydra(cfg.generation)
+    got = config_sources.from_hydra(cfg.generation)
     assert got.bitwise and not got.kv_cache
     with open_dict(cfg):
         cfg.fastgen = {"bitwize": True}
     with pytest.raises(FastGenConfigError, match="bitwize"):
-        fg_config.from_hydra(cfg.generation)
+        config_sources.from_hydra(cfg.generation)
     with open_dict(cfg):
         del cfg["fastgen"]
-    assert fg_config.from_hydra(cfg.generation) is None
+    assert config_sources.from_hydra(cfg.generation) is None
 
 
 def test_print_user_dir():
