@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 
 from .config import FastGenConfig, active
 
+
 def cli_flag(name: str) -> str:
     return "--fastgen-" + name.replace("_", "-")
 
