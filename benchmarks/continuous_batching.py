@@ -47,18 +47,18 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def cell(batch: int, beam: int, subset: str, rounds: int) -> dict:
+def cell(batch: int, beam: int, subset: str, rounds: int, systems=SYSTEMS) -> dict:
     args = [str(BUNDLE), "--path", str(BUNDLE / "checkpoint.pt"), "--source-lang", "es",
             "--target-lang", "en", "--gen-subset", subset, "--beam", str(beam),
             "--batch-size", str(batch), "--post-process", "sentencepiece", "--cpu"]
-    names = list(SYSTEMS)
+    names = list(systems)
     best = {n: float("inf") for n in names}
     lossless = {n: True for n in names[1:]}
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         outs = {}
         for n in order:
-            extra = SYSTEMS[n]
+            extra = systems[n]
             run = run_generate(args, plugin=extra is not None, plugin_args=extra or ())
             if run.returncode != 0:
                 raise RuntimeError(f"{n} failed:\n{run.stderr[-2000:]}")
@@ -72,27 +72,30 @@ def cell(batch: int, beam: int, subset: str, rounds: int) -> dict:
             "speedup": {n: best["stock"] / best[n] for n in names[1:]}, "lossless": lossless}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(systems=SYSTEMS, title="Continuous batching ablation", doc=__doc__,
+         out_name="continuous_batching") -> int:
+    """Runs ``systems`` (name -> plugin flags, None: stock) in every cell of the command
+    line; writes <out>.json and <out>.md; 0 if every run was lossless."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[8, 64])
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--subset", default="test", help="test: 1,000 verses; test1: 100")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "continuous_batching"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out_name))
     a = p.parse_args()
-    cells = [cell(b, a.beam, a.subset, a.rounds) for b in a.batches]
+    cells = [cell(b, a.beam, a.subset, a.rounds, systems) for b in a.batches]
     res = {"cpu": cpu_name(), "threads": "torch default (all cores)", "cells": cells,
-           "systems": SYSTEMS}
+           "systems": systems}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    lines = [f"# Continuous batching ablation ({res['cpu']})", "",
+    lines = [f"# {title} ({res['cpu']})", "",
              "Generation time (fairseq's own), min of interleaved rounds; speed-up over stock.",
-             "", "| batch | beam | " + " | ".join(SYSTEMS) + " | lossless |",
-             "|---|---|" + "---|" * (len(SYSTEMS) + 1)]
+             "", "| batch | beam | " + " | ".join(systems) + " | lossless |",
+             "|---|---|" + "---|" * (len(systems) + 1)]
     for c in cells:
         row = [f"{c['gen_s']['stock']:.2f}s"] + [
-            f"{c['gen_s'][n]:.2f}s ({c['speedup'][n]:.2f}x)" for n in list(SYSTEMS)[1:]]
+            f"{c['gen_s'][n]:.2f}s ({c['speedup'][n]:.2f}x)" for n in list(systems)[1:]]
         lines.append(f"| {c['batch']} | {c['beam']} | " + " | ".join(row) + " | "
                      + ("yes" if all(c["lossless"].values()) else "NO") + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -12,7 +12,7 @@ issues, measured in the same process right after: for every row count a decoder 
 layer's q/k/v, self-attention output, encoder-attention query and output, FFN, and the
 output projection) and, per batch, the encoder's projections and the encoder-attention
 keys/values at its bsz x src_len rows, each GEMM on the fastest kernel this torch has
-for it (plain ``addmm`` or MKL's packed weight for that row count), min of 3, run in a
+for it (plain ``addmm``, MKL's packed weight for that row count, or oneDNN's), min of 3, run in a
 step's order so that the weights stream through the caches as in a step (``total``; each
 GEMM alone with its weight hot in cache is ``total_alone``, a bound no step reaches).  No
 generator can run these GEMMs faster than ``total`` on this machine, so ``stock / limit``
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from one_process import interleaved, load_es_en, parser, write_rows  # noqa: E402
 from conftest import batches, generators  # noqa: E402
 from fairseq_fastgen.config import FastGenConfig  # noqa: E402
-from fairseq_fastgen.models import fast_decoder, packed_gemm  # noqa: E402
+from fairseq_fastgen.models import fast_decoder, gemm_kernel, packed_gemm  # noqa: E402
 from fairseq_fastgen.models.padded_projection import PAD_MULTIPLE  # noqa: E402
 
 
@@ -57,13 +57,16 @@ def counting_step_rows(counter: collections.Counter):
 
 
 def _kernels(w: torch.Tensor, rows: int):
-    """The kernels this torch has for (rows, in) x W.T, W: (out, in): plain and packed."""
+    """The kernels this torch has for (rows, in) x W.T, W: (out, in): plain, packed (MKL)
+    and oneDNN's."""
     x = torch.randn(rows, w.size(1))
     wt = w.t().contiguous()
     ks = [lambda: torch.mm(x, wt)]
     if packed_gemm.available() and rows > 0:
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), rows)
         ks.append(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, rows))
+    if gemm_kernel.available() and rows > 0:
+        ks.append(lambda: gemm_kernel.linear(x, wt, None))
     return ks
 
 
@@ -152,10 +155,12 @@ def main():
     _, py_cands = generators(task, models, FastGenConfig(native_candidates=False), beam=a.beam)
     _, aten_cross = generators(task, models, FastGenConfig(fused_cross_attention=False),
                                beam=a.beam)
+    _, mkl = generators(task, models, FastGenConfig(gemm="mkl"), beam=a.beam)
     gens = {"stock": stock, "fastgen native off": python_step,
             "fastgen ancestor kv off": reordered, "fastgen kv reuse off": fresh_kv,
             "fastgen native candidates off": py_cands,
-            "fastgen fused cross attention off": aten_cross, "fastgen": fast}
+            "fastgen fused cross attention off": aten_cross, "fastgen gemm mkl": mkl,
+            "fastgen": fast}
     rows = []
     for bsz in a.batch:
         bs = list(batches(task, cfg, bsz, subset=a.subset, limit=a.limit))

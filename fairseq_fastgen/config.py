@@ -28,6 +28,7 @@ NGRAM_BLOCKERS = ("auto", "torch", "cupy", "stock")
 AGGRESSIVE_MODES = ("off", "on", "auto")
 CONTINUOUS_MODES = ("auto", "on", "off")
 SAMPLING_SEEDS = ("auto", "stream", "batch")
+GEMM_KERNELS = ("auto", "mkl", "onednn")  # see models/gemm_kernel.py
 
 
 class FastGenConfigError(ValueError):
@@ -76,6 +77,16 @@ class FastGenConfig:
             "projection weights, one copy per row count a step uses often (CPU, fp32, "
             "lossless mode; 1.1-1.3x faster GEMMs at few rows); 0 switches it off; a model "
             "whose projections outgrow it runs plain GEMMs"
+        },
+    )
+    gemm: str = field(
+        default="auto",
+        metadata={
+            "help": "the decoder projections' fp32 GEMM kernel on CPU (lossless mode): mkl "
+            "(torch's addmm), onednn (1.2-2.4x faster on AMD EPYC, where MKL runs its "
+            "AVX2 path), or auto (oneDNN where it measures clearly faster on the model's "
+            "output projection, once per process)",
+            "choices": GEMM_KERNELS,
         },
     )
     native_step: bool = field(default=True, metadata={"help": (
@@ -260,6 +271,7 @@ class FastGenConfig:
             "fused_cross_attention": fast and self.native_step and self.fused_cross_attention
             and not self.bitwise,
             "native_candidates": fast and self.native_candidates and not self.bitwise,
+            "gemm=" + self.gemm: fast and not self.bitwise,
             "continuous_batching=" + self.continuous: (
                 fast and self.continuous != "off" and not self.bitwise),
             "ngram_blocker=" + self.ngram_blocker: on,

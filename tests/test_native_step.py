@@ -20,13 +20,16 @@ needs_native = pytest.mark.skipif(native_step.load() is None,
 
 @torch.no_grad()
 def _steps(model, sample, native: bool, beam: int, steps: int, need_attn: bool,
-           ancestor_kv: bool = False, drop_at: int = -1, fused_cross: bool = False):
+           ancestor_kv: bool = False, drop_at: int = -1, fused_cross: bool = False,
+           gemm: str = "mkl"):
     """lprobs (and attention) of ``steps`` decoder steps over a fixed token sequence
     with a fixed beam reorder, on the native or the Python layers; at step ``drop_at``
     the first sentence finishes (the batch shrinks)."""
-    d = FastDecoder(model, native=native, ancestor_kv=ancestor_kv, fused_cross=fused_cross)
+    d = FastDecoder(model, native=native, ancestor_kv=ancestor_kv, fused_cross=fused_cross,
+                    gemm=gemm)
     d.prepare()
     assert (d._native is not None) == native
+    assert d.stack.onednn == (gemm == "onednn")
     net = sample["net_input"]
     enc = (model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
            if getattr(model, "encoder", None) is not None else None)
@@ -55,15 +58,18 @@ def _steps(model, sample, native: bool, beam: int, steps: int, need_attn: bool,
 @needs_native
 @pytest.mark.parametrize("which", ["postln", "preln", "bart"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_layers_give_the_python_steps_bits(tiny, which, threads):
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_native_layers_give_the_python_steps_bits(tiny, which, threads, gemm):
     task, models, cfg = load(tiny.data, [getattr(tiny, which)])
     sample = next(iter(batches(task, cfg, 7)))  # sources of different lengths: padding
     assert sample["net_input"]["src_lengths"].unique().numel() > 1
     torch.set_num_threads(threads)
     try:
         for need_attn in (False, True):
-            py = _steps(models[0], sample, False, beam=3, steps=9, need_attn=need_attn)
-            nat = _steps(models[0], sample, True, beam=3, steps=9, need_attn=need_attn)
+            py = _steps(models[0], sample, False, beam=3, steps=9, need_attn=need_attn,
+                        gemm=gemm)
+            nat = _steps(models[0], sample, True, beam=3, steps=9, need_attn=need_attn,
+                         gemm=gemm)
             for (lp, a), (lp2, a2) in zip(py, nat):
                 assert torch.equal(lp, lp2)
                 assert (a is None) == (a2 is None) and (a is None or torch.equal(a, a2))

@@ -69,6 +69,12 @@ def _vs_stock(name: str, r: dict) -> str:
     return ("lossless" if r["lossless"] else "**NOT lossless**") + (", byte-identical" if r["identical"] else "") + fixed
 
 
+def _ratio(cell: Optional[dict], a: str, b: str) -> Optional[float]:
+    """System a's speed-up over stock divided by system b's in ``cell`` (None: not both)."""
+    sa, sb = ((cell or {}).get("systems", {}).get(s, {}).get("speedup") for s in (a, b))
+    return sa / sb if sa and sb else None
+
+
 def headline(res: dict) -> str:
     """README-ready snippet: fastgen and CTranslate2 speed-up over stock, per model/beam/batch."""
     grid = [c for c in res["cells"] if c["tag"].startswith("grid") and not c["ngram"]]
@@ -79,13 +85,18 @@ def headline(res: dict) -> str:
     lines = ["| model | beam | precision | system | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|" + "---|" * (4 + len(batches))]
     for model, beam, prec in sorted({(c["model"], c["beam"], c["precision"]) for c in grid}):
+        cells = [next((c for c in grid if (c["model"], c["beam"], c["precision"], c["batch"])
+                       == (model, beam, prec, b)), None) for b in batches]
         for sysname in ["fastgen"] + ct2:
             vals = []
-            for b in batches:
-                c = next((c for c in grid if (c["model"], c["beam"], c["precision"], c["batch"]) == (model, beam, prec, b)), None)
+            for c in cells:
                 r = c["systems"].get(sysname) if c else None
                 vals.append(_f(r["speedup"], "{:.2f}x") if r else "–")
             lines.append(f"| {model} | {beam} | {prec} | {sysname} | " + " | ".join(vals) + " |")
+        ref = "ct2-float32" if prec == "fp32" else "ct2-float16"
+        if ref in ct2:  # fastgen's speed as a multiple of CTranslate2's at the same precision
+            vals = [_f(_ratio(c, "fastgen", ref), "{:.2f}x") for c in cells]
+            lines.append(f"| {model} | {beam} | {prec} | fastgen / {ref} | " + " | ".join(vals) + " |")
     m = res["machine"]
     ok = all(c["systems"]["fastgen"]["lossless"] for c in res["cells"] if "fastgen" in c["systems"])
     return render("headline.md.tmpl", machine=m["cpu"] if m["device"] == "cpu" else m.get("gpu"),

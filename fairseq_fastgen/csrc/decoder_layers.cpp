@@ -18,16 +18,26 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
 #include <vector>
 
+// The attention kernels (csrc/attention_kernels.cpp).
+namespace fastgen_kernels {
+at::Tensor ancestor_attention(const at::Tensor& q, const at::Tensor& kbuf,
+                              const at::Tensor& vbuf, const at::Tensor& anc, int64_t t1,
+                              int64_t heads, const at::Tensor& lens);
+std::tuple<at::Tensor, at::Tensor> fused_cross_attention(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pad,
+    int64_t beam, int64_t heads, bool need_attn);
+}  // namespace fastgen_kernels
+
 namespace {
+
+using fastgen_kernels::ancestor_attention;
+using fastgen_kernels::fused_cross_attention;
 
 enum W {
   kLn1W, kLn1B, kQkvWt, kQkvB, kQkvPack, kSaOutWt, kSaOutB, kSaOutPack,
@@ -37,20 +47,6 @@ enum W {
 };
 
 using at::Tensor;
-
-// addmm(b, x, wt) (mm without bias), or MKL's packed GEMM when a pack for x's row count
-// is given: exactly TransposedLinear.__call__.
-Tensor linear(const Tensor& x, const Tensor& wt, const Tensor& b, const Tensor& pack) {
-  if (pack.defined()) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("mkl::_mkl_linear", "")
-                         .typed<Tensor(const Tensor&, const Tensor&, const Tensor&,
-                                       const std::optional<Tensor>&, int64_t)>();
-    std::optional<Tensor> bias = b.defined() ? std::optional<Tensor>(b) : std::nullopt;
-    return op.call(x.contiguous(), pack, wt.t(), bias, x.size(0));
-  }
-  return b.defined() ? at::addmm(b, x, wt) : at::mm(x, wt);
-}
 
 Tensor layer_norm(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
   return at::layer_norm(x, {x.size(-1)}, w, b, eps);
@@ -65,108 +61,30 @@ struct Config {
   int64_t activation;  // 0: relu (in place), 1: fairseq's gelu (in float)
   double eps1, eps2, eps3;
   bool fused;  // encoder-decoder attention by fused_cross_attention (fp32)
+  bool onednn;  // fp32 projections on oneDNN (fairseq_fastgen/models/gemm_kernel.py)
 };
 
-// A dot product of length n: SIMD lanes of partial sums, then their sum (no -ffast-math
-// needed; the order is fixed for a given build).
-inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < n; d += 16) {
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
+// addmm(b, x, wt) (mm without bias), MKL's packed GEMM when a pack for x's row count is
+// given, or oneDNN's linear (cfg.onednn, fp32): exactly TransposedLinear.__call__.
+Tensor linear(const Config& cfg, const Tensor& x, const Tensor& wt, const Tensor& b,
+              const Tensor& pack) {
+  std::optional<Tensor> bias = b.defined() ? std::optional<Tensor>(b) : std::nullopt;
+  if (cfg.onednn && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(0) > 0) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                         .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                       c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                       std::optional<c10::string_view>)>();
+    return op.call(x, wt.t(), bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
   }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < n; d += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+  if (pack.defined()) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("mkl::_mkl_linear", "")
+                         .typed<Tensor(const Tensor&, const Tensor&, const Tensor&,
+                                       const std::optional<Tensor>&, int64_t)>();
+    return op.call(x.contiguous(), pack, wt.t(), bias, x.size(0));
   }
-#endif
-  constexpr int kLanes = 16;
-  float acc[kLanes] = {0.f};
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[d + j] * b[d + j];
-  }
-  float sum = 0.f;
-  for (int j = 0; j < kLanes; ++j) sum += acc[j];
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
-// p[0:m] = softmax(p[0:m]) in place (float, as at::softmax computes it up to rounding)
-inline void softmax_inplace(float* p, int64_t m) {
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < m; ++i) top = std::max(top, p[i]);
-  float z = 0.f;
-  for (int64_t i = 0; i < m; ++i) {
-    p[i] = std::exp(p[i] - top);
-    z += p[i];
-  }
-  for (int64_t i = 0; i < m; ++i) p[i] /= z;
-}
-
-// y[0:n] += w * x[0:n]
-inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
-}
-
-// Self-attention of one query per hypothesis over its own history, read in place: the
-// step-s key/value of hypothesis h is row anc[h, s] of kbuf[s]/vbuf[s], so the cache is
-// never reordered (a beam reorder only gathers the small anc table).
-//   q: (n, C) scaled queries; kbuf, vbuf: (capacity, n0, C); anc: (n, >= t1) int64;
-//   lens: (n,) int64 history length of each row (<= t1; continuous batching, where rows
-//   stand at different steps), or undefined: t1 for every row.
-Tensor ancestor_attention(const Tensor& q, const Tensor& kbuf, const Tensor& vbuf,
-                          const Tensor& anc, int64_t t1, int64_t heads, const Tensor& lens) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kbuf.is_contiguous() && vbuf.is_contiguous() &&
-              anc.scalar_type() == at::kLong && anc.stride(1) == 1, "ancestor attention inputs");
-  TORCH_CHECK(t1 <= kbuf.size(0) && t1 <= anc.size(1), "ancestor attention: history too long");
-  const Tensor qc = q.contiguous();
-  const int64_t n = qc.size(0), c = qc.size(1), n0 = kbuf.size(1), hd = c / heads;
-  const int64_t anc_stride = anc.stride(0);
-  Tensor out = at::zeros({n, c}, qc.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = kbuf.data_ptr<float>();
-  const float* vp = vbuf.data_ptr<float>();
-  const int64_t* ap = anc.data_ptr<int64_t>();
-  const int64_t* lp = lens.defined() ? lens.data_ptr<int64_t>() : nullptr;
-  float* op = out.data_ptr<float>();
-  // Step-major: the rows a step's hypotheses read lie close together (a sentence's
-  // beam), so each pass streams kbuf[s] / vbuf[s] in memory order.
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    const int64_t rows = end - begin;
-    std::vector<float> p(rows * heads * t1);  // [row][head][step]
-    auto len = [&](int64_t h) { return lp != nullptr ? lp[h] : t1; };
-    for (int64_t s = 0; s < t1; ++s) {
-      for (int64_t h = begin; h < end; ++h) {
-        if (s >= len(h)) continue;
-        const float* kr = kp + (s * n0 + ap[h * anc_stride + s]) * c;
-        float* ph = p.data() + (h - begin) * heads * t1 + s;
-        for (int64_t g = 0; g < heads; ++g) ph[g * t1] = dot(qp + h * c + g * hd, kr + g * hd, hd);
-      }
-    }
-    for (int64_t i = 0; i < rows * heads; ++i) {
-      softmax_inplace(p.data() + i * t1, len(begin + i / heads));
-    }
-    for (int64_t s = 0; s < t1; ++s) {
-      for (int64_t h = begin; h < end; ++h) {
-        if (s >= len(h)) continue;
-        const float* vr = vp + (s * n0 + ap[h * anc_stride + s]) * c;
-        const float* ph = p.data() + (h - begin) * heads * t1 + s;
-        for (int64_t g = 0; g < heads; ++g) axpy(ph[g * t1], vr + g * hd, op + h * c + g * hd, hd);
-      }
-    }
-  });
-  return out;
+  return b.defined() ? at::addmm(b, x, wt) : at::mm(x, wt);
 }
 
 // buf[lens[r] - 1, phys[r]] = src[r, col:col+C] for every row r: each row's key or value
@@ -192,7 +110,7 @@ Tensor self_attention(const Config& cfg, const Tensor* w, const Tensor& x, Tenso
                       Tensor& vbuf, int64_t t, const Tensor& anc, const Tensor& lens,
                       const Tensor& phys) {
   const int64_t n = x.size(0), c = x.size(1);
-  Tensor qkv = linear(x, w[kQkvWt], w[kQkvB], w[kQkvPack]);
+  Tensor qkv = linear(cfg, x, w[kQkvWt], w[kQkvB], w[kQkvPack]);
   Tensor q = qkv.slice(1, 0, c).mul(cfg.sa_scaling);
   if (anc.defined()) {
     if (lens.defined()) {
@@ -203,7 +121,7 @@ Tensor self_attention(const Config& cfg, const Tensor* w, const Tensor& x, Tenso
       vbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, 2 * c, 3 * c));
     }
     Tensor out = ancestor_attention(q, kbuf, vbuf, anc, t + 1, cfg.heads, lens);
-    return linear(out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
+    return linear(cfg, out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
   }
   kbuf.select(0, t).copy_(qkv.slice(1, c, 2 * c));
   vbuf.select(0, t).copy_(qkv.slice(1, 2 * c, 3 * c));
@@ -213,64 +131,7 @@ Tensor self_attention(const Config& cfg, const Tensor* w, const Tensor& x, Tenso
   Tensor s = at::bmm(q.reshape({bh, 1, cfg.head_dim}), keys.transpose(1, 2));
   Tensor p = at::softmax(s, -1, at::kFloat).to(s.scalar_type());
   Tensor out = at::bmm(p, values).view({n, c});
-  return linear(out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
-}
-
-// Encoder-decoder attention of a beam's queries against its sentence's keys/values,
-// read where they lie: no (bsz*H, beam, hd) copies of the queries or the output, no
-// score tensor, padded positions skipped (they weigh exactly 0 in the softmax).
-//   q: (n, C) scaled queries, n = bsz*beam; k, v: (bsz*H, S, hd); pad: (bsz, S) bool or
-//   undefined. Returns (n, C) and, if need_attn, the head average of the weights (n, S),
-//   heads summed in order as mean(0) sums them.
-std::tuple<Tensor, Tensor> fused_cross_attention(const Tensor& q, const Tensor& k,
-                                                 const Tensor& v, const Tensor& pad,
-                                                 int64_t beam, int64_t heads, bool need_attn) {
-  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const int64_t n = qc.size(0), c = qc.size(1), hd = c / heads, s = kc.size(1);
-  const int64_t bsz = n / beam;
-  Tensor out = at::empty({n, c}, qc.options());
-  Tensor attn = need_attn ? at::zeros({n, s}, qc.options()) : Tensor();
-  const Tensor padc = pad.defined() ? pad.contiguous() : pad;
-  const bool* pp = padc.defined() ? padc.data_ptr<bool>() : nullptr;
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* ap = need_attn ? attn.data_ptr<float>() : nullptr;
-  at::parallel_for(0, bsz, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(beam * s);
-    std::vector<int64_t> keep(s);
-    for (int64_t b = begin; b < end; ++b) {
-      int64_t m = 0;  // the sentence's unpadded positions
-      for (int64_t j = 0; j < s; ++j) {
-        if (pp == nullptr || !pp[b * s + j]) keep[m++] = j;
-      }
-      for (int64_t g = 0; g < heads; ++g) {
-        const float* kg = kp + (b * heads + g) * s * hd;
-        const float* vg = vp + (b * heads + g) * s * hd;
-        for (int64_t r = 0; r < beam; ++r) {
-          const int64_t h = b * beam + r;
-          const float* qr = qp + h * c + g * hd;
-          float* pr = p.data() + r * s;
-          for (int64_t i = 0; i < m; ++i) pr[i] = dot(qr, kg + keep[i] * hd, hd);
-          softmax_inplace(pr, m);
-          float* og = op + h * c + g * hd;
-          for (int64_t d = 0; d < hd; ++d) og[d] = 0.f;
-          for (int64_t i = 0; i < m; ++i) {
-            axpy(pr[i], vg + keep[i] * hd, og, hd);
-            if (ap != nullptr) ap[h * s + keep[i]] += pr[i];
-          }
-        }
-      }
-      if (ap != nullptr) {
-        for (int64_t r = 0; r < beam; ++r) {
-          float* ar = ap + (b * beam + r) * s;
-          for (int64_t j = 0; j < s; ++j) ar[j] /= static_cast<float>(heads);
-        }
-      }
-    }
-  });
-  return {out, attn};
+  return linear(cfg, out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
 }
 
 // cached_attention.CrossAttentionCache.attend, merged (one copy per sentence) path; with
@@ -280,11 +141,11 @@ std::tuple<Tensor, Tensor> cross_attention(const Config& cfg, const Tensor* w, c
                                            int64_t beam, bool need_attn) {
   const int64_t n = x.size(0), c = x.size(1), h = cfg.heads, hd = cfg.head_dim;
   const int64_t bsz = n / beam, s = k.size(1);
-  Tensor q = linear(x, w[kEaQWt], w[kEaQB], w[kEaQPack]);
+  Tensor q = linear(cfg, x, w[kEaQWt], w[kEaQB], w[kEaQPack]);
   q.mul_(cfg.ea_scaling);
   if (cfg.fused && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat) {
     auto [o, a] = fused_cross_attention(q, k, v, pad, beam, h, need_attn);
-    return {linear(o, w[kEaOutWt], w[kEaOutB], w[kEaOutPack]), a};
+    return {linear(cfg, o, w[kEaOutWt], w[kEaOutB], w[kEaOutPack]), a};
   }
   q = q.view({bsz, beam, h, hd}).transpose(1, 2).reshape({bsz * h, beam, hd});
   Tensor sc = at::bmm(q, k.transpose(1, 2));  // (bsz*H, beam, S)
@@ -296,7 +157,7 @@ std::tuple<Tensor, Tensor> cross_attention(const Config& cfg, const Tensor* w, c
   Tensor p = at::softmax(sc, -1, at::kFloat);
   Tensor out = at::bmm(p.to(sc.scalar_type()), v);  // (bsz*H, beam, hd)
   out = out.view({bsz, h, beam, hd}).transpose(1, 2);
-  out = linear(out.reshape({n, c}), w[kEaOutWt], w[kEaOutB], w[kEaOutPack]);
+  out = linear(cfg, out.reshape({n, c}), w[kEaOutWt], w[kEaOutB], w[kEaOutPack]);
   Tensor attn;
   if (need_attn) {
     attn = p.view({bsz, h, beam, s}).transpose(0, 1).reshape({h, n, s}).mean(0);
@@ -331,13 +192,13 @@ std::tuple<Tensor, Tensor> layer(const Config& cfg, const Tensor* w, Tensor x, T
   }
   residual = x;
   if (nb) x = layer_norm(x, w[kLn3W], w[kLn3B], cfg.eps3);
-  x = linear(x, w[kFc1Wt], w[kFc1B], w[kFc1Pack]);
+  x = linear(cfg, x, w[kFc1Wt], w[kFc1B], w[kFc1Pack]);
   if (cfg.activation == 0) {
     x.relu_();
   } else {
     x = at::gelu(x.to(at::kFloat)).to(residual.scalar_type());
   }
-  x = residual + linear(x, w[kFc2Wt], w[kFc2B], w[kFc2Pack]);
+  x = residual + linear(cfg, x, w[kFc2Wt], w[kFc2B], w[kFc2Pack]);
   if (!nb) x = layer_norm(x, w[kLn3W], w[kLn3B], cfg.eps3);
   return {x, attn};
 }
@@ -367,7 +228,7 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeights, "weights per layer");
   TORCH_CHECK(static_cast<int64_t>(cross.size()) == layers * 3, "cross per layer");
   TORCH_CHECK(scalars.size() == static_cast<size_t>(layers * 5), "scalars per layer");
-  TORCH_CHECK(ints.size() == 5, "heads, head_dim, normalize_before, activation, fused");
+  TORCH_CHECK(ints.size() == 6, "heads, head_dim, normalize_before, activation, fused, onednn");
   Rows rows{t, ancestors.has_value() ? *ancestors : Tensor(),
             row_lens.has_value() ? *row_lens : Tensor(), row_phys.has_value() ? *row_phys : Tensor()};
   if (rows.lens.defined()) {  // each row's own step reads the key/value it writes now
@@ -387,7 +248,7 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
   for (int64_t i = 0; i < layers; ++i) {
     const double* sc = scalars.data() + i * 5;
     Config cfg{ints[0], ints[1], sc[0], sc[1], ints[2] != 0, ints[3],
-               sc[2], sc[3], sc[4], ints[4] != 0};
+               sc[2], sc[3], sc[4], ints[4] != 0, ints[5] != 0};
     auto [y, a] = layer(cfg, weights.data() + i * kWeights, x, caches[2 * i], caches[2 * i + 1],
                         rows, cross.data() + 3 * i, beam, need_attn && i == layers - 1);
     x = y;

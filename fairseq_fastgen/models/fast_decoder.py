@@ -47,15 +47,16 @@ class FastDecoder:
     def __init__(self, model, shared_encoder: bool = True, kv_cache: bool = True,
                  bitwise: bool = False, vocab_pad: bool = True, packed_gemm_mb: int = 0,
                  native: bool = False, ancestor_kv: bool = False, kv_reuse: bool = False,
-                 fused_cross: bool = False):
+                 fused_cross: bool = False, gemm: str = "mkl"):
         """native: run the layers of a step in C++ where the model and batch allow
         (:mod:`~fairseq_fastgen.models.native_step`; same bits as the Python step);
         ancestor_kv: with the native step, never reorder the self-attention caches (see
         :meth:`reorder`); kv_reuse: a batch's caches take over the last batch's buffers
         (see :mod:`~fairseq_fastgen.models.kv_cache`); fused_cross: with the native step,
-        encoder-decoder attention by the C++ kernel of one pass per sentence."""
+        encoder-decoder attention by the C++ kernel of one pass per sentence; gemm: the
+        projections' GEMM kernel (:mod:`~fairseq_fastgen.models.gemm_kernel`)."""
         self.stack = DecoderStack(model, bitwise=bitwise, vocab_pad=vocab_pad,
-                                  packed_gemm_mb=packed_gemm_mb)
+                                  packed_gemm_mb=packed_gemm_mb, gemm=gemm)
         self.model = model
         self.shared_encoder = shared_encoder
         self.kv_cache = kv_cache

@@ -18,6 +18,7 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
+from . import gemm_kernel
 from .cached_attention import CrossAttentionCache
 from .linear import TransposedLinear, projection, refresh_all
 from .packed_gemm import max_packs as packs_within
@@ -32,9 +33,11 @@ class LayerWeights:
     :class:`~fairseq_fastgen.models.linear.TransposedLinear` copies of their weights
     (lossless mode; q/k/v fused into one GEMM)."""
 
-    def __init__(self, layer: TransformerDecoderLayerBase, lossless: bool, max_packs: int = 0):
+    def __init__(self, layer: TransformerDecoderLayerBase, lossless: bool, max_packs: int = 0,
+                 onednn: bool = False):
         """max_packs: row counts each projection may pack (lossless mode; see
-        :mod:`~fairseq_fastgen.models.packed_gemm`)."""
+        :mod:`~fairseq_fastgen.models.packed_gemm`); onednn: the copies' GEMMs run on
+        oneDNN (:mod:`~fairseq_fastgen.models.gemm_kernel`)."""
         sa, ea = layer.self_attn, layer.encoder_attn
         self.layer = layer
         self.heads = sa.num_heads
@@ -42,13 +45,14 @@ class LayerWeights:
         self.dim = sa.embed_dim
         self.scaling = sa.scaling
         qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
-        p = max_packs  # only the transposed copies (lossless mode) pack
-        self.qkv = TransposedLinear(qkv, p) if lossless and TransposedLinear.usable(qkv) else None
-        self.sa_out = projection(sa.out_proj, lossless, p)
-        self.fc1 = projection(layer.fc1, lossless, p)
-        self.fc2 = projection(layer.fc2, lossless, p)
-        self.ea_q = projection(ea.q_proj, lossless, p) if ea is not None else None
-        self.ea_out = projection(ea.out_proj, lossless, p) if ea is not None else None
+        p, d = max_packs, onednn  # only the transposed copies (lossless mode) use them
+        self.qkv = (TransposedLinear(qkv, p, d)
+                    if lossless and TransposedLinear.usable(qkv) else None)
+        self.sa_out = projection(sa.out_proj, lossless, p, d)
+        self.fc1 = projection(layer.fc1, lossless, p, d)
+        self.fc2 = projection(layer.fc2, lossless, p, d)
+        self.ea_q = projection(ea.q_proj, lossless, p, d) if ea is not None else None
+        self.ea_out = projection(ea.out_proj, lossless, p, d) if ea is not None else None
 
     def refresh(self) -> None:
         """Re-read copied weights that changed (the model may have trained since)."""
@@ -79,26 +83,30 @@ class DecoderStack:
     from the weights (transposed and padded copies, the logit bound), no per-batch state."""
 
     def __init__(self, model, bitwise: bool = False, vocab_pad: bool = True,
-                 packed_gemm_mb: int = 0):
+                 packed_gemm_mb: int = 0, gemm: str = "mkl"):
         """packed_gemm_mb: MiB of MKL packed weights the projections may keep (lossless
-        mode on CPU; 0: plain GEMMs)."""
+        mode on CPU; 0: plain GEMMs); gemm: the projections' kernel, one of
+        :data:`~fairseq_fastgen.config.GEMM_KERNELS` (lossless mode)."""
         self.model = model
         self.decoder: TransformerDecoderBase = model.decoder
         self.bitwise = bitwise
-        packs = 0 if bitwise else packs_within(packed_gemm_mb, _projection_bytes(self.decoder))
+        self.onednn = not bitwise and _use_onednn(gemm, self.decoder)
+        packs = 0 if bitwise or self.onednn else packs_within(
+            packed_gemm_mb, _projection_bytes(self.decoder))
         # Fused q/k/v and transposed weight copies change GEMM shapes/kernels (last bits):
         # lossless mode only.
-        self.layers = [LayerWeights(l, lossless=not bitwise, max_packs=packs)
+        self.layers = [LayerWeights(l, lossless=not bitwise, max_packs=packs, onednn=self.onednn)
                        for l in self.decoder.layers]
         # A padded copy of the output projection is a differently blocked GEMM: lossless
         # mode only.
         proj = self.decoder.output_projection
         self._padded_proj = (
-            PaddedProjection(proj, max_packs=packs)
+            PaddedProjection(proj, max_packs=packs, onednn=self.onednn)
             if vocab_pad and not bitwise and PaddedProjection.worthwhile(proj) else None)
         # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
         # callers normalize whole rows, then keep [..., :vocab]
-        self._out_t = projection(proj, not bitwise, packs) if proj is not None else None
+        self._out_t = (projection(proj, not bitwise, packs, self.onednn)
+                       if proj is not None else None)
         # blocked output projection + log_softmax (another GEMM blocking: lossless mode)
         self._blocked_lprobs = not bitwise and proj is not None and standard_normalization(model)
         self._lprob_buf: Optional[Tensor] = None
@@ -142,14 +150,15 @@ class DecoderStack:
             if len(encoder_out["encoder_padding_mask"]) > 0:
                 pad = encoder_out["encoder_padding_mask"][0]
         caches: List[Optional[CrossAttentionCache]] = []
-        for l in self.layers:
-            ea = l.layer.encoder_attn
-            if ea is None or enc is None:
-                caches.append(None)
-            else:
-                caches.append(CrossAttentionCache(
-                    ea, enc, pad, beam, shared=shared, bitwise=self.bitwise,
-                    q_proj=l.ea_q, out_proj=l.ea_out))
+        with gemm_kernel.linears(self.onednn):  # the keys/values: the modules' own GEMMs
+            for l in self.layers:
+                ea = l.layer.encoder_attn
+                if ea is None or enc is None:
+                    caches.append(None)
+                else:
+                    caches.append(CrossAttentionCache(
+                        ea, enc, pad, beam, shared=shared, bitwise=self.bitwise,
+                        q_proj=l.ea_q, out_proj=l.ea_out))
         return caches
 
     def device_dtype(self):
@@ -309,3 +318,15 @@ def _projection_bytes(decoder) -> int:
             mods += [ea.q_proj, ea.out_proj]
     return sum(m.weight.numel() * m.weight.element_size() for m in mods
                if m is not None and getattr(m, "weight", None) is not None)
+
+
+def _use_onednn(gemm: str, decoder) -> bool:
+    """Whether the decoder's projection copies run on oneDNN (measured on its output
+    projection's shape, or its first FFN's without one)."""
+    proj = decoder.output_projection
+    lin = proj if isinstance(getattr(proj, "weight", None), Tensor) else (
+        decoder.layers[0].fc1 if len(decoder.layers) else None)
+    if not isinstance(getattr(lin, "weight", None), Tensor):
+        return False
+    outputs, features = lin.weight.shape
+    return gemm_kernel.use_onednn(gemm, features, outputs, lin.weight.device, lin.weight.dtype)

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from . import gemm_kernel
 from .packed_gemm import RowPacks
 from .padded_projection import params_key
 
@@ -23,11 +24,13 @@ class TransposedLinear:
     """Callable ``(rows, in) -> (rows, out)`` equal to ``torch.cat([l(x) for l in linears], -1)``
     up to GEMM rounding: several linears of the same input (q/k/v) become one GEMM."""
 
-    def __init__(self, linears: Sequence[nn.Linear], max_packs: int = 0):
+    def __init__(self, linears: Sequence[nn.Linear], max_packs: int = 0, onednn: bool = False):
         """max_packs: row counts whose GEMM may run on a packed weight (0: none; see
-        :mod:`~fairseq_fastgen.models.packed_gemm`)."""
+        :mod:`~fairseq_fastgen.models.packed_gemm`); onednn: the GEMM runs on oneDNN
+        (:mod:`~fairseq_fastgen.models.gemm_kernel`; then no packs)."""
         self.linears = list(linears)
-        self.packs = RowPacks(max_packs)
+        self.onednn = onednn
+        self.packs = RowPacks(0 if onednn else max_packs)
         self._key: Optional[tuple] = None
         self.wt: Optional[Tensor] = None  # (in, sum(out)) contiguous
         self.bias: Optional[Tensor] = None
@@ -56,6 +59,8 @@ class TransposedLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (rows, in) float."""
+        if self.onednn and gemm_kernel.usable(x):
+            return gemm_kernel.linear(x, self.wt, self.bias)
         out = self.packs.linear(x, self.wt, self.bias)
         if out is not None:
             return out
@@ -64,12 +69,12 @@ class TransposedLinear:
         return torch.addmm(self.bias, x, self.wt)
 
 
-def projection(linear: nn.Module, transposed: bool, max_packs: int = 0
+def projection(linear: nn.Module, transposed: bool, max_packs: int = 0, onednn: bool = False
                ) -> Callable[[Tensor], Tensor]:
     """``linear`` as a callable: a :class:`TransposedLinear` copy when ``transposed`` and
     usable, else the module itself (in bitwise mode: exactly stock's GEMM)."""
     if transposed and TransposedLinear.usable([linear]):
-        return TransposedLinear([linear], max_packs)
+        return TransposedLinear([linear], max_packs, onednn)
     return linear
 
 

@@ -40,7 +40,8 @@ _load_error: Optional[str] = None
 def sources() -> List[Path]:
     """The extension's C++ files: the layers (with the module definition) first."""
     d = Path(__file__).resolve().parents[1] / "csrc"
-    return [d / "decoder_layers.cpp", d / "beam_candidates.cpp", d / "slot_beams.cpp"]
+    return [d / "decoder_layers.cpp", d / "attention_kernels.cpp", d / "beam_candidates.cpp",
+            d / "slot_beams.cpp"]
 
 
 def load():
@@ -190,7 +191,8 @@ class NativeLayers:
         self.per_layer = int(module.WEIGHTS_PER_LAYER)
         first = stack.layers[0]
         self.ints = [first.heads, first.head_dim, int(bool(first.layer.normalize_before)),
-                     _activation(first.layer.activation_fn), int(fused_cross)]
+                     _activation(first.layer.activation_fn), int(fused_cross),
+                     int(stack.onednn)]
         self.scalars: List[float] = []
         for l in stack.layers:
             layer = l.layer

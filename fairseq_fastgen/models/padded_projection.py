@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from . import gemm_kernel
 from .packed_gemm import RowPacks
 
 PAD_MULTIPLE = 64
@@ -35,12 +36,15 @@ def params_key(*params: Optional[Tensor]) -> tuple:
 class PaddedProjection:
     """Callable ``(rows, C) -> (rows, Vp)``: ``linear(x)`` up to GEMM rounding, then -inf."""
 
-    def __init__(self, linear: nn.Linear, multiple: int = PAD_MULTIPLE, max_packs: int = 0):
+    def __init__(self, linear: nn.Linear, multiple: int = PAD_MULTIPLE, max_packs: int = 0,
+                 onednn: bool = False):
         """max_packs: row counts whose GEMM may run on a packed weight (0: none; see
-        :mod:`~fairseq_fastgen.models.packed_gemm`)."""
+        :mod:`~fairseq_fastgen.models.packed_gemm`); onednn: the GEMM runs on oneDNN
+        (:mod:`~fairseq_fastgen.models.gemm_kernel`; then no packs)."""
         self.linear = linear
         self.multiple = multiple
-        self.packs = RowPacks(max_packs)
+        self.onednn = onednn
+        self.packs = RowPacks(0 if onednn else max_packs)
         self._key: Optional[tuple] = None
         self._wt: Optional[Tensor] = None  # (C, Vp) contiguous
         self._bias: Optional[Tensor] = None  # (Vp,): the linear's bias, then -inf
@@ -67,7 +71,8 @@ class PaddedProjection:
     def __call__(self, x: Tensor) -> Tensor:
         """x: (rows, C) float; returns (rows, Vp) contiguous: logits, then -inf columns."""
         wt, bias = self._padded()
-        out = self.packs.linear(x, wt, bias)
+        out = gemm_kernel.linear(x, wt, bias) if self.onednn and gemm_kernel.usable(x) \
+            else self.packs.linear(x, wt, bias)
         if out is not None:
             if bias is None:
                 out[:, self.linear.out_features:] = float("-inf")

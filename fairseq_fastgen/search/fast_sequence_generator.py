@@ -26,6 +26,7 @@ from fairseq.sequence_generator import SequenceGenerator, SequenceGeneratorWithA
 
 from ..config import FastGenConfig
 from ..run_config import current
+from ..models import gemm_kernel
 from ..models.fast_decoder import FastDecoder
 from ..models.support import unsupported_reason
 from .aggressive import AggressiveDecoding, Tunables, unsupported as aggressive_unsupported
@@ -112,7 +113,7 @@ class FastSequenceGenerator(SequenceGenerator):
                 strategy = self._aggressive_for(sample, rules)
                 if strategy is not None:
                     return strategy.generate(
-                        sample, prefix_tokens, bos_token, rules, encode=self.model.forward_encoder,
+                        sample, prefix_tokens, bos_token, rules, encode=self.forward_encoder,
                         regular=lambda: self._fast_generate(sample, prefix_tokens, bos_token, rules))
             return self._fast_generate(sample, prefix_tokens, bos_token, rules)
 
@@ -142,6 +143,12 @@ class FastSequenceGenerator(SequenceGenerator):
             for d in self._decoders():
                 d.prepare()
 
+    def forward_encoder(self, net_input: Dict[str, Tensor]):
+        """fairseq's ensemble encoder output; its linears on oneDNN where the decoders'
+        projections are (:mod:`~fairseq_fastgen.models.gemm_kernel`)."""
+        with gemm_kernel.linears(all(d.stack.onednn for d in self._decoders())):
+            return self.model.forward_encoder(net_input)
+
     def _decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:
             cfg = self.fastgen
@@ -150,7 +157,7 @@ class FastSequenceGenerator(SequenceGenerator):
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
                             packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step,
                             ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse,
-                            fused_cross=cfg.fused_cross_attention)
+                            fused_cross=cfg.fused_cross_attention, gemm=cfg.gemm)
                 for m in self.model.models
             ]
         return self._fast_decoders
@@ -170,7 +177,7 @@ class FastSequenceGenerator(SequenceGenerator):
         max_len = rules.max_len(src_tokens, src_lengths)
 
         decoders = self._decoders()
-        encoder_outs = self.model.forward_encoder(net_input)
+        encoder_outs = self.forward_encoder(net_input)
         for i, d in enumerate(decoders):
             d.start(encoder_outs[i] if encoder_outs is not None else None, bsz, beam_size, max_len)
         del encoder_outs

@@ -58,7 +58,7 @@ class AggressiveDecoding:
         self.model = model
         self.tunables = tunables or Tunables()
         self.vd = VerifyDecoder(model, vocab_pad=cfg.vocab_pad,
-                                packed_gemm_mb=cfg.packed_gemm_mb)
+                                packed_gemm_mb=cfg.packed_gemm_mb, gemm=cfg.gemm)
         self.stats = AcceptanceStats()
         self.chooser = SpeedChooser()
         self.block_cost = BlockCost(self.tunables)

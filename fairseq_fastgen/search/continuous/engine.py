@@ -209,7 +209,7 @@ class _Run:
         rules = self.eng.rules
         b.src_len = rules.source_lengths(net_input)
         b.max_len = rules.max_len(net_input["src_tokens"], b.src_len)
-        encoder_outs = self.eng.gen.model.forward_encoder(net_input)
+        encoder_outs = self.eng.gen.forward_encoder(net_input)
         b.cross = [d.batch_cross(encoder_outs[i] if encoder_outs is not None else None)
                    for i, d in enumerate(self.eng.decoders)]
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env python
+"""GEMM kernel ablation: stock vs fastgen with ``--fastgen-gemm mkl`` and with its default
+(``auto``: oneDNN where it measures faster), in one process and in decoding workers.
+
+Same harness as benchmarks/continuous_batching.py: fairseq-generate runs interleaved
+(order rotated per round), fairseq's own generation time, min over rounds, each fastgen
+output checked lossless against stock's output of the same round.
+
+    python benchmarks/gemm_kernels.py [--batches 8 64] [--beam 5] [--subset test]
+        [--rounds 2] [--out benchmarks/results/gemm_kernels]
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from continuous_batching import ONE, main  # noqa: E402
+
+MKL = ["--fastgen-gemm", "mkl"]
+SYSTEMS = {
+    "stock": None,
+    "one process, gemm mkl": ONE + MKL,
+    "one process, default": ONE,
+    "workers, gemm mkl": MKL,
+    "workers, default": [],
+}
+
+if __name__ == "__main__":
+    sys.exit(main(SYSTEMS, title="GEMM kernel ablation", doc=__doc__, out_name="gemm_kernels"))
