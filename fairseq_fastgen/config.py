@@ -167,8 +167,8 @@ class FastGenConfig:
             "help": "continuous batching: decoder rows (sentences x beam) in flight at most; "
             "fewer sentences than --batch-size in flight changes no output. 0: auto (on "
             "CPU 128 rows, where a step's logits stay in cache: measured faster than whole "
-            "batches of 64 x beam 5, docs/continuous-batching.md; on CUDA no bound below "
-            "the largest batch)",
+            "batches of 64 x beam 5, docs/continuous-batching.md; 256 with oneDNN GEMMs "
+            "(--fastgen-gemm); on CUDA no bound below the largest batch)",
         },
     )
     keep_last_batch: bool = field(

@@ -67,14 +67,19 @@ def test_feed_with_no_batch_yet_changes_nothing(tiny, monkeypatch):
     assert all(slots == 0 and pending == 0 for w, slots, pending in feed.waits if w)
 
 
-@pytest.mark.parametrize("rows,beam,slots", [(10, 5, 2), (3, 5, 1), (0, 4, 32)])
-def test_rows_bound_sentences_in_flight(tiny, monkeypatch, rows, beam, slots):
-    """--fastgen-continuous-rows (0: 128 on CPU) bounds slots at rows // beam (at least
-    one) below the batch size; output unchanged."""
+@pytest.mark.parametrize("rows,beam,slots,gemm", [
+    (10, 5, 2, "auto"), (3, 5, 1, "auto"), (0, 4, 32, "mkl"), (0, 8, 32, "onednn")])
+def test_rows_bound_sentences_in_flight(tiny, monkeypatch, rows, beam, slots, gemm):
+    """--fastgen-continuous-rows (0: 128 on CPU, 256 with oneDNN GEMMs) bounds slots at
+    rows // beam (at least one) below the batch size; output unchanged."""
+    from fairseq_fastgen.models import gemm_kernel
+
+    if gemm == "onednn" and not gemm_kernel.available():
+        pytest.skip("this torch build has no oneDNN linear op")
     seen = count_slots(monkeypatch)
     task, models, cfg = load(tiny.data, [tiny.preln])
     stock, fast = generators(task, models, FastGenConfig(continuous="on",
-                                                         continuous_rows=rows),
+                                                         continuous_rows=rows, gemm=gemm),
                              beam=beam, max_len_b=30)
     samples = list(batches(task, cfg, 40, limit=3))
     expected = [stock.generate(models, b) for b in samples]

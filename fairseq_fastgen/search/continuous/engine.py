@@ -32,8 +32,19 @@ logger = logging.getLogger(__name__)
 
 # --fastgen-continuous-rows 0 on CPU: rows in flight at most.  Measured (Xeon, es->en,
 # beam 5, docs/continuous-batching.md): 16-32 sentences beat 64, 1 and 2 threads alike;
-# a step's (rows, vocab) logits then stay in the core's cache.
+# a step's (rows, vocab) logits then stay in the core's cache.  With oneDNN's GEMMs
+# (models/gemm_kernel.py), which gain more from rows than MKL's, 256 rows took a
+# batch-64 run 9.9-10.0 s -> 8.2-8.8 s (AMD EPYC; benchmarks/results/NOTES.md).
 AUTO_CPU_ROWS = 128
+AUTO_CPU_ROWS_ONEDNN = 256
+
+
+def _auto_rows(generator) -> int:
+    """Rows in flight at most by default (0: no bound)."""
+    if next(generator.model.parameters()).is_cuda:
+        return 0
+    onednn = all(d.stack.onednn for d in generator._decoders())
+    return AUTO_CPU_ROWS_ONEDNN if onednn else AUTO_CPU_ROWS
 
 
 def unsupported(generator, task=None, constraints: bool = False) -> Optional[str]:
@@ -120,8 +131,7 @@ class ContinuousBeamSearch:
         self.capacity = capacity
         self.regular = regular
         self.beam = generator.beam_size
-        rows = generator.fastgen.continuous_rows or (
-            0 if next(generator.model.parameters()).is_cuda else AUTO_CPU_ROWS)
+        rows = generator.fastgen.continuous_rows or _auto_rows(generator)
         self.max_slots = max(1, rows // self.beam) if rows else None
         self.rules = StepRules.of(generator)
         self.singles_regular = regular is not None and generator.fastgen.continuous == "auto" \
