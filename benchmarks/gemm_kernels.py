@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""GEMM kernel ablation: stock vs fastgen with ``--fastgen-gemm mkl`` and with its default
-(``auto``: oneDNN where it measures faster), in one process and in decoding workers.
+"""GEMM kernel ablation: stock vs fastgen with ``--fastgen-gemm mkl`` (the default) and
+``--fastgen-gemm auto`` (oneDNN where it measures faster), in one process and in decoding
+workers.
 
 Same harness as benchmarks/continuous_batching.py: fairseq-generate runs interleaved
 (order rotated per round), fairseq's own generation time, min over rounds, each fastgen
@@ -16,13 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from continuous_batching import ONE, main  # noqa: E402
 
-MKL = ["--fastgen-gemm", "mkl"]
+AUTO = ["--fastgen-gemm", "auto"]
 SYSTEMS = {
     "stock": None,
-    "one process, gemm mkl": ONE + MKL,
-    "one process, default": ONE,
-    "workers, gemm mkl": MKL,
-    "workers, default": [],
+    "one process, gemm mkl": ONE,
+    "one process, gemm auto": ONE + AUTO,
+    "workers, gemm mkl": [],
+    "workers, gemm auto": AUTO,
 }
 
 if __name__ == "__main__":

@@ -80,12 +80,15 @@ class FastGenConfig:
         },
     )
     gemm: str = field(
-        default="auto",
+        default="mkl",
         metadata={
-            "help": "the decoder projections' fp32 GEMM kernel on CPU (lossless mode): mkl "
-            "(torch's addmm), onednn (1.2-2.4x faster on AMD EPYC, where MKL runs its "
-            "AVX2 path), or auto (oneDNN where it measures clearly faster on the model's "
-            "output projection, once per process)",
+            "help": "the fp32 GEMM kernel of the decoder projections, encoder linears and "
+            "encoder-decoder keys/values on CPU (lossless mode): mkl (torch's addmm), "
+            "onednn (1.2-2.4x faster on AMD EPYC, where MKL runs its AVX2 path), or auto "
+            "(oneDNN where it measures clearly faster on the model's output projection, once "
+            "per process). Not the default: oneDNN rounds otherwise than stock's MKL more "
+            "often, and in one of the benchmark suite's 512-sentence cells a sentence got "
+            "another hypothesis that is not a near-tie by its final score",
             "choices": GEMM_KERNELS,
         },
     )

@@ -229,3 +229,27 @@ def test_switch_on_the_command_line_and_in_the_log_line(tiny):
     assert "ancestor_kv" not in FastGenConfig(native_step=False).describe()
     assert "fused_cross_attention" in FastGenConfig().describe()
     assert "fused_cross_attention" not in FastGenConfig(bitwise=True).describe()
+
+
+def test_a_broken_build_is_built_again(tmp_path, monkeypatch):
+    """A build that exists but does not import (a link cut short) is removed and rebuilt,
+    not taken as 'no extension' for good."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    name = next(iter(_build_names(monkeypatch)))
+    (tmp_path / f"{name}.so").write_bytes(b"not an ELF file")
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]) or "module")
+    assert native_step._import_or_build() == "module"
+    assert built == [name] and not (tmp_path / f"{name}.so").exists()
+
+
+def _build_names(monkeypatch):
+    """The extension's build name for this source and CPU (as _import_or_build names it)."""
+    from torch.utils import cpp_extension
+
+    names = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: names.append(kw["name"]))
+    native_step._import_or_build()
+    return names

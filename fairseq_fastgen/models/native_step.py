@@ -5,11 +5,12 @@ making the same ATen calls on the same shapes from C++ took a step of the bundle
 es->en model from 1.82 to 1.59 ms at 5 rows and from 2.94 to 2.72 ms at 40 (Intel Xeon, 2
 threads; see benchmarks/results/NOTES.md, "Native decoder step"), with the same bits as
 the Python step of :class:`~fairseq_fastgen.models.layers.DecoderStack` in lossless mode
-(tests/test_native_step.py).  With ``ancestor_kv`` the self-attention is the source's own
-kernel instead (``ancestor_attention``: the caches are read in place through an ancestor
-table, see :meth:`FastDecoder.reorder`), and with ``fused_cross_attention`` the
-encoder-decoder attention is ``fused_cross_attention`` (one pass per sentence, no reshape
-copies); both sum in another order (lossless mode).
+(tests/test_native_step.py).  With ``ancestor_kv`` the self-attention is the extension's
+own kernel instead (``ancestor_attention`` in ``csrc/attention_kernels.cpp``: the caches
+are read in place through an ancestor table, see :meth:`FastDecoder.reorder`), and with
+``fused_cross_attention`` the encoder-decoder attention is ``fused_cross_attention`` (one
+pass per sentence, no reshape copies); both sum in another order (lossless mode).  The
+projections run on MKL or oneDNN as the Python step's do (``gemm_kernel``).
 
 The extension is compiled once per torch version, source and kind of CPU (``-O3
 -march=native``) by ``torch.utils.cpp_extension.load`` (about 30-60 s with g++; ``make
@@ -80,10 +81,13 @@ def _import_or_build():
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     built = build_dir / f"{name}.so"
     if built.exists():
-        spec = importlib.util.spec_from_file_location(name, built)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        try:
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        except (ImportError, OSError):  # a build cut short (killed while linking): again
+            built.unlink(missing_ok=True)
     copies = []
     for src, text in zip(sources(), codes):
         copy = build_dir / src.name
