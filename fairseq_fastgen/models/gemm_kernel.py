@@ -42,8 +42,8 @@ def available() -> bool:
 
 
 def usable(x: Tensor) -> bool:
-    """Rows oneDNN's kernel serves: fp32 on CPU, at least one."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.size(0) > 0
+    """Inputs oneDNN's kernel serves: fp32 on CPU, not empty."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > 0
 
 
 def linear(x: Tensor, wt: Tensor, bias: Optional[Tensor]) -> Tensor:
