@@ -49,7 +49,12 @@ def usable(x: Tensor) -> bool:
 def linear(x: Tensor, wt: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``addmm(bias, x, wt)`` on oneDNN: x (rows, in), wt (in, out) contiguous (read as
     its transpose, the (out, in) weight oneDNN takes, without a copy); (rows, out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, wt.t(), bias, "none", [], "")
+    return _pointwise(x, wt.t(), bias)
+
+
+def _pointwise(x: Tensor, w: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """oneDNN's ``F.linear(x, w, bias)``, w: (out, in) in any layout."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
 class _OnednnLinears(TorchFunctionMode):
@@ -61,7 +66,7 @@ class _OnednnLinears(TorchFunctionMode):
             named = dict(zip(("input", "weight", "bias"), args), **kwargs)
             x, w, b = named["input"], named["weight"], named.get("bias")
             if usable(x) and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2:
-                return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+                return _pointwise(x, w, b)
         return func(*args, **kwargs)
 
 

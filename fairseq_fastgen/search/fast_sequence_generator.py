@@ -146,8 +146,12 @@ class FastSequenceGenerator(SequenceGenerator):
     def forward_encoder(self, net_input: Dict[str, Tensor]):
         """fairseq's ensemble encoder output; its linears on oneDNN where the decoders'
         projections are (:mod:`~fairseq_fastgen.models.gemm_kernel`)."""
-        with gemm_kernel.linears(all(d.stack.onednn for d in self._decoders())):
+        with gemm_kernel.linears(self.onednn_gemms()):
             return self.model.forward_encoder(net_input)
+
+    def onednn_gemms(self) -> bool:
+        """Whether every model's decoder runs its projections on oneDNN."""
+        return all(d.stack.onednn for d in self._decoders())
 
     def _decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:

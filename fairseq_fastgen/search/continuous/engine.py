@@ -43,8 +43,7 @@ def _auto_rows(generator) -> int:
     """Rows in flight at most by default (0: no bound)."""
     if next(generator.model.parameters()).is_cuda:
         return 0
-    onednn = all(d.stack.onednn for d in generator._decoders())
-    return AUTO_CPU_ROWS_ONEDNN if onednn else AUTO_CPU_ROWS
+    return AUTO_CPU_ROWS_ONEDNN if generator.onednn_gemms() else AUTO_CPU_ROWS
 
 
 def unsupported(generator, task=None, constraints: bool = False) -> Optional[str]:
