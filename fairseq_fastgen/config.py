@@ -18,6 +18,7 @@ the process default that runs start from.
 Unknown keys and bad values raise :class:`FastGenConfigError` naming the key.
 """
 import dataclasses
+import math
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional
@@ -80,16 +81,25 @@ class FastGenConfig:
         },
     )
     gemm: str = field(
-        default="mkl",
+        default="auto",
         metadata={
             "help": "the fp32 GEMM kernel of the decoder projections, encoder linears and "
-            "encoder-decoder keys/values on CPU (lossless mode): mkl (torch's addmm), "
-            "onednn (1.2-2.4x faster on AMD EPYC, where MKL runs its AVX2 path), or auto "
-            "(oneDNN where it measures clearly faster on the model's output projection, once "
-            "per process). Not the default: oneDNN rounds otherwise than stock's MKL more "
-            "often, and in one of the benchmark suite's 512-sentence cells a sentence got "
-            "another hypothesis that is not a near-tie by its final score",
+            "encoder-decoder keys/values on CPU (lossless mode): mkl (torch's addmm, "
+            "stock's), onednn (1.2-2.4x faster on AMD EPYC, where MKL runs its AVX2 path; "
+            "everywhere, guarded only under continuous batching), or auto (oneDNN for "
+            "continuous batching under the margin guard where it measures clearly faster on "
+            "the model's output projection, once per process; MKL elsewhere)",
             "choices": GEMM_KERNELS,
+        },
+    )
+    margin_guard: float = field(
+        default=1e-4,
+        metadata={
+            "help": "continuous batching on oneDNN: a sentence whose beam search compared "
+            "two candidates (or final hypotheses) of scores s closer than this many nats "
+            "times (1 + |s| / 25) is decoded again on MKL, so that oneDNN's other rounding "
+            "cannot change a hypothesis (4-9x the score moves measured); 0: off (oneDNN's "
+            "output may then differ from stock's at near-ties)",
         },
     )
     native_step: bool = field(default=True, metadata={"help": (
@@ -300,6 +310,10 @@ def _check_value(f, value):
                                    or value < 0):
         raise FastGenConfigError(
             f"fastgen option {f.name!r} must be a non-negative integer, got {value!r}")
+    if f.type in (float, "float") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                       or not math.isfinite(value) or value < 0):
+        raise FastGenConfigError(
+            f"fastgen option {f.name!r} must be a finite number >= 0, got {value!r}")
 
 
 def _coerce(f, value):
@@ -316,6 +330,13 @@ def _coerce(f, value):
         except ValueError:
             raise FastGenConfigError(
                 f"fastgen option {f.name!r} must be a non-negative integer, got {value!r}"
+            ) from None
+    if f.type in (float, "float") and isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise FastGenConfigError(
+                f"fastgen option {f.name!r} must be a finite number >= 0, got {value!r}"
             ) from None
     return value
 

@@ -9,6 +9,7 @@ eval-mode path (``TransformerDecoderBase.extract_features_scriptable`` ->
 ``TransformerDecoderLayerBase.forward`` -> ``MultiheadAttention.forward``), in the same
 order and with the same GEMM shapes in bitwise mode.
 """
+import copy
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -20,7 +21,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from . import gemm_kernel
 from .cached_attention import CrossAttentionCache
-from .linear import TransposedLinear, projection, refresh_all
+from .linear import TransposedLinear, projection, refresh_all, with_kernel
 from .packed_gemm import max_packs as packs_within
 from .padded_projection import PaddedProjection, params_key
 from .support import standard_normalization
@@ -57,6 +58,13 @@ class LayerWeights:
     def refresh(self) -> None:
         """Re-read copied weights that changed (the model may have trained since)."""
         refresh_all([self.qkv, self.sa_out, self.fc1, self.fc2, self.ea_q, self.ea_out])
+
+    def with_kernel(self, onednn: bool) -> "LayerWeights":
+        """These projections on the other GEMM kernel, sharing the weight copies."""
+        twin = copy.copy(self)
+        for name in ("qkv", "sa_out", "fc1", "fc2", "ea_q", "ea_out"):
+            setattr(twin, name, with_kernel(getattr(self, name), onednn))
+        return twin
 
     def project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Scaled queries, keys and values of x: (rows, C) each; one fused GEMM unless
@@ -113,6 +121,26 @@ class DecoderStack:
         self.vocab = proj.out_features if proj is not None else len(self.decoder.dictionary)
         self._w_bound_key: Optional[tuple] = None  # params_key of the cached weight bound
         self._w_bound: Tuple[float, float] = (0.0, 0.0)
+
+    def with_gemm(self, onednn: bool) -> "DecoderStack":
+        """This stack with its projection copies on oneDNN or MKL (not in bitwise mode),
+        sharing the copies (continuous batching's reference decoding,
+        search/continuous/margins.py); itself when it already runs there."""
+        onednn = onednn and not self.bitwise and gemm_kernel.available()
+        if onednn == self.onednn:
+            return self
+        twin = copy.copy(self)
+        twin.onednn = onednn
+        twin.layers = [l.with_kernel(onednn) for l in self.layers]
+        if self._padded_proj is not None:
+            twin._padded_proj = self._padded_proj.with_kernel(onednn)
+        twin._out_t = with_kernel(self._out_t, onednn)
+        twin._lprob_buf = None
+        return twin
+
+    def onednn_faster(self) -> bool:
+        """Whether oneDNN measures clearly faster than MKL for this decoder (``auto``)."""
+        return not self.bitwise and _use_onednn("auto", self.decoder)
 
     def prepare(self) -> None:
         """Build (or re-read, when the model's weights changed) everything derived from

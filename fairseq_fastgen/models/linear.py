@@ -10,6 +10,7 @@ differently, so this is a lossless-mode optimization; bitwise mode calls the mod
 The copies cost one extra set of decoder weights in memory and are rebuilt whenever a
 weight changes (``params_key``: ``fairseq-train --eval-bleu`` trains between validations).
 """
+import copy
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -34,6 +35,7 @@ class TransposedLinear:
         self._key: Optional[tuple] = None
         self.wt: Optional[Tensor] = None  # (in, sum(out)) contiguous
         self.bias: Optional[Tensor] = None
+        self._base: Optional["TransposedLinear"] = None  # a twin's original (with_kernel)
 
     @staticmethod
     def usable(linears: Sequence[nn.Module]) -> bool:
@@ -43,6 +45,10 @@ class TransposedLinear:
         return len({l.bias is None for l in linears}) == 1
 
     def refresh(self) -> None:
+        if self._base is not None:
+            self._base.refresh()
+            self.wt, self.bias, self._key = self._base.wt, self._base.bias, self._base._key
+            return
         ps = [p for l in self.linears for p in (l.weight, l.bias)]
         key = params_key(*ps)
         if key == self._key:
@@ -56,6 +62,16 @@ class TransposedLinear:
                 self.bias = torch.cat([l.bias for l in self.linears]).contiguous()
         self.packs.clear()
         self._key = key
+
+    def with_kernel(self, onednn: bool) -> "TransposedLinear":
+        """This projection on the other kernel, sharing its weight copy (no packs)."""
+        if onednn == self.onednn:
+            return self
+        twin = copy.copy(self)
+        twin.onednn = onednn
+        twin.packs = RowPacks(0)
+        twin._base = self  # one weight copy: the twin re-reads the original's
+        return twin
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (rows, in) float."""
@@ -76,6 +92,11 @@ def projection(linear: nn.Module, transposed: bool, max_packs: int = 0, onednn: 
     if transposed and TransposedLinear.usable([linear]):
         return TransposedLinear([linear], max_packs, onednn)
     return linear
+
+
+def with_kernel(p: Optional[Callable], onednn: bool) -> Optional[Callable]:
+    """A :func:`projection` on the other kernel (a module itself stays as it is)."""
+    return p.with_kernel(onednn) if isinstance(p, TransposedLinear) else p
 
 
 def refresh_all(projections: List[Callable]) -> None:

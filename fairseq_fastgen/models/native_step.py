@@ -42,7 +42,7 @@ def sources() -> List[Path]:
     """The extension's C++ files: the layers (with the module definition) first."""
     d = Path(__file__).resolve().parents[1] / "csrc"
     return [d / "decoder_layers.cpp", d / "attention_kernels.cpp", d / "beam_candidates.cpp",
-            d / "slot_beams.cpp"]
+            d / "slot_beams.cpp", d / "decision_margins.cpp"]
 
 
 def load():
@@ -205,6 +205,13 @@ class NativeLayers:
                 layer.self_attn_layer_norm, layer.encoder_attn_layer_norm,
                 layer.final_layer_norm)]
             self.scalars += [float(l.scaling), float(ea.scaling) if ea is not None else 1.0, *eps]
+
+    def for_stack(self, stack) -> "NativeLayers":
+        """These layers run for ``stack`` (the same layers on another GEMM kernel:
+        :meth:`~fairseq_fastgen.models.layers.DecoderStack.with_gemm`)."""
+        if stack is self.stack:
+            return self
+        return NativeLayers(stack, self.module, bool(self.ints[4]))
 
     def weights(self, rows: int) -> List[Optional[Tensor]]:
         """Every layer's weights in the C++ order, packs for ``rows`` where MKL has them."""

@@ -16,6 +16,7 @@ The copy costs one extra output embedding in memory; it is rebuilt whenever the 
 weight changes (``fairseq-train --eval-bleu`` trains between validations), detected by
 the tensor's version counter and storage pointer.
 """
+import copy
 from typing import Optional, Tuple
 
 import torch
@@ -48,6 +49,7 @@ class PaddedProjection:
         self._key: Optional[tuple] = None
         self._wt: Optional[Tensor] = None  # (C, Vp) contiguous
         self._bias: Optional[Tensor] = None  # (Vp,): the linear's bias, then -inf
+        self._base: Optional["PaddedProjection"] = None  # a twin's original (with_kernel)
 
     @staticmethod
     def worthwhile(linear: nn.Module, multiple: int = PAD_MULTIPLE) -> bool:
@@ -63,6 +65,16 @@ class PaddedProjection:
         """CPU BLAS only: cuBLAS has no such cliff, and CUDA n-gram kernels index the
         log-probabilities as a contiguous (rows, V) buffer."""
         return self.linear.weight.device.type == "cpu"
+
+    def with_kernel(self, onednn: bool) -> "PaddedProjection":
+        """This projection on the other kernel, sharing its padded copy (no packs)."""
+        if onednn == self.onednn:
+            return self
+        twin = copy.copy(self)
+        twin.onednn = onednn
+        twin.packs = RowPacks(0)
+        twin._base = self  # one padded copy: the twin reads the original's
+        return twin
 
     def refresh(self) -> None:
         """Rebuild the padded copy now if the weight changed (else on the next call)."""
@@ -86,6 +98,8 @@ class PaddedProjection:
         return torch.addmm(bias, x, wt)
 
     def _padded(self) -> Tuple[Tensor, Optional[Tensor]]:
+        if self._base is not None:
+            return self._base._padded()
         w, b = self.linear.weight, self.linear.bias
         key = params_key(w, b)
         if key != self._key:

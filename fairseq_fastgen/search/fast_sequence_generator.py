@@ -143,10 +143,10 @@ class FastSequenceGenerator(SequenceGenerator):
             for d in self._decoders():
                 d.prepare()
 
-    def forward_encoder(self, net_input: Dict[str, Tensor]):
-        """fairseq's ensemble encoder output; its linears on oneDNN where the decoders'
-        projections are (:mod:`~fairseq_fastgen.models.gemm_kernel`)."""
-        with gemm_kernel.linears(self.onednn_gemms()):
+    def forward_encoder(self, net_input: Dict[str, Tensor], onednn: Optional[bool] = None):
+        """fairseq's ensemble encoder output; its linears on oneDNN where ``onednn`` says
+        (None: where the decoders' projections are; :mod:`~fairseq_fastgen.models.gemm_kernel`)."""
+        with gemm_kernel.linears(self.onednn_gemms() if onednn is None else onednn):
             return self.model.forward_encoder(net_input)
 
     def onednn_gemms(self) -> bool:
@@ -161,7 +161,9 @@ class FastSequenceGenerator(SequenceGenerator):
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
                             packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step,
                             ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse,
-                            fused_cross=cfg.fused_cross_attention, gemm=cfg.gemm)
+                            fused_cross=cfg.fused_cross_attention,
+                            # auto: oneDNN only under continuous batching's margin guard
+                            gemm="mkl" if cfg.gemm == "auto" else cfg.gemm)
                 for m in self.model.models
             ]
         return self._fast_decoders

@@ -16,13 +16,14 @@ slot's eos candidates with a few tensor operations and one host read; hypotheses
 fairseq's dicts only when their sentence is done.
 """
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
 from ...models import native_step
 from ..candidates import top_candidates
+from . import margins
 
 
 class SlotBeams:
@@ -53,6 +54,7 @@ class SlotBeams:
         self.tokens = self.scores = self.ignore = z
         self.fin_tokens = self.fin_pos = self.fin_score = self.fin_len = self.fin_count = z
         self.had_eos = z.bool()
+        self.tight = z.bool()
 
     # ---- room --------------------------------------------------------------------
 
@@ -98,20 +100,33 @@ class SlotBeams:
 
     # ---- one step ------------------------------------------------------------------
 
-    def step(self, lprobs: Tensor, steps: Tensor, first: Tensor, src_len: Tensor) -> Tensor:
+    def step(self, lprobs: Tensor, steps: Tensor, first: Tensor, src_len: Tensor,
+             margin: float = 0.0, at_limit: Optional[Tensor] = None) -> Tensor:
         """Candidates, finalization and the next hypotheses of every slot.
 
         lprobs: (slots*beam, V) masked log-probabilities; steps: (slots,) int64 step of
-        each slot; first: (slots,) bool, slot at step 0; src_len: (slots,) source lengths.
+        each slot; first: (slots,) bool, slot at step 0; src_len: (slots,) source lengths;
+        margin > 0: the margin guard's (:mod:`.margins`), with at_limit (slots,) bool the
+        slots at their length limit.
         Returns order (slots*beam,) int64: the row each next hypothesis continues (the
-        caches follow it).  fin_count then says which slots have ``beam`` hypotheses and
-        had_eos (slots,) bool which slots finalized a hypothesis at this step.
+        caches follow it).  fin_count then says which slots have ``beam`` hypotheses,
+        had_eos (slots,) bool which slots finalized a hypothesis at this step and, with a
+        margin, tight (slots,) bool which slots compared candidates closer than it.
         """
         k, s = self.beam, steps.numel()
         n = s * k
         lp = lprobs.view(s, k, -1)
         row_steps = steps.repeat_interleave(k)
-        cand_scores, cand_words, cand_beams = self._candidates(lp, row_steps, first)
+        decide = 2 * k
+        wanted = margins.candidates_wanted(k, lp.size(-1)) if margin > 0 else decide
+        cand_scores, cand_words, cand_beams = self._candidates(lp, row_steps, first, wanted)
+        if margin > 0:
+            self.tight = margins.tight_slots(cand_scores, cand_words, self.ignore,
+                                             self.fin_count, at_limit, self.eos, decide,
+                                             margin, self._native)
+            if wanted > decide:
+                cand_scores, cand_words, cand_beams = (
+                    t[:, :decide] for t in (cand_scores, cand_words, cand_beams))
         if self._native is not None and cand_scores.device.type == "cpu" and \
                 cand_scores.dtype == torch.float32:
             # the statements below in one C++ pass (csrc/slot_beams.cpp), same bits
@@ -142,21 +157,22 @@ class SlotBeams:
         self.scores[r, row_steps] = torch.gather(cand_scores, 1, active).view(-1).type_as(self.scores)
         return order
 
-    def _candidates(self, lp: Tensor, row_steps: Tensor, first: Tensor):
-        """(slots, 2*beam) scores, words and beams, as ``BeamSearch.step`` selects them."""
+    def _candidates(self, lp: Tensor, row_steps: Tensor, first: Tensor, wanted: int):
+        """(slots, wanted) scores, words and beams, best first, as ``BeamSearch.step``
+        selects its 2*beam."""
         s, k, _ = lp.shape
         cum = self.scores[: s * k].gather(1, (row_steps - 1).clamp(min=0).unsqueeze(1)).view(s, k)
         if self._native is not None and lp.dtype == torch.float32 and lp.device.type == "cpu" \
                 and lp.stride(-1) == 1:
-            return self._native.beam_candidates(lp, cum, 2 * k, first)
+            return self._native.beam_candidates(lp, cum, wanted, first)
         n_first = int(first.sum())
         if n_first == 0:
-            return top_candidates(lp, cum, 2 * k)
+            return top_candidates(lp, cum, wanted)
         if n_first == s:
-            return top_candidates(lp[:, :1], None, 2 * k)
+            return top_candidates(lp[:, :1], None, wanted)
         fi, di = first.nonzero().squeeze(1), (~first).nonzero().squeeze(1)
-        a = top_candidates(lp.index_select(0, fi)[:, :1], None, 2 * k)
-        b = top_candidates(lp.index_select(0, di), cum.index_select(0, di), 2 * k)
+        a = top_candidates(lp.index_select(0, fi)[:, :1], None, wanted)
+        b = top_candidates(lp.index_select(0, di), cum.index_select(0, di), wanted)
         out = []
         for x, y in zip(a, b):
             z = x.new_empty((s,) + x.shape[1:])

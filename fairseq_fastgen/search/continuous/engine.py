@@ -18,99 +18,23 @@ while sentences are in flight.
 """
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ...models.slot_decoder import SlotDecoder
 from ..step_rules import StepAt, StepRules
+from . import margins
 from .beams import SlotBeams
+from .inputs import Batch, Feed, Pending, by_batch
+from .serving import auto_rows, engine_onednn, unsupported  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
-# --fastgen-continuous-rows 0 on CPU: rows in flight at most.  Measured (Xeon, es->en,
-# beam 5, docs/continuous-batching.md): 16-32 sentences beat 64, 1 and 2 threads alike;
-# a step's (rows, vocab) logits then stay in the core's cache.  With oneDNN's GEMMs
-# (models/gemm_kernel.py), which gain more from rows than MKL's, 256 rows took a
-# batch-64 run 9.9-10.0 s -> 8.2-8.8 s (AMD EPYC; benchmarks/results/NOTES.md).
-AUTO_CPU_ROWS = 128
-AUTO_CPU_ROWS_ONEDNN = 256
-
-
-def _auto_rows(generator) -> int:
-    """Rows in flight at most by default (0: no bound)."""
-    if next(generator.model.parameters()).is_cuda:
-        return 0
-    return AUTO_CPU_ROWS_ONEDNN if generator.onednn_gemms() else AUTO_CPU_ROWS
-
-
-def unsupported(generator, task=None, constraints: bool = False) -> Optional[str]:
-    """Why these batches are decoded one at a time (None: the engine serves them)."""
-    from fairseq.tasks import FairseqTask
-
-    cfg = getattr(generator, "fastgen", None)
-    if cfg is None or not hasattr(generator, "_decoders"):
-        return "not the fastgen generator"
-    if cfg.continuous == "off":
-        return "switched off (--fastgen-continuous off)"
-    if cfg.bitwise:
-        return "bitwise mode keeps stock's batches and GEMM shapes"
-    if generator._fallback_reason is not None:
-        return generator._fallback_reason
-    if getattr(generator, "_sampling", False):
-        return "sampling draws stock's random numbers over stock's batches"
-    if generator.need_attn:
-        return "attention weights are kept (--print-alignment or --fastgen-attention)"
-    if constraints:
-        return "lexical constraints"
-    if generator.beam_size == 1 and cfg.aggressive != "off":
-        return "aggressive decoding serves greedy search"
-    blocker = generator.repeat_ngram_blocker
-    if blocker is not None and not hasattr(blocker, "ban_ragged"):
-        return "fairseq's own n-gram blocker (--fastgen-ngram-blocker stock)"
-    if generator.model.models[0].training:
-        return "models in training mode (--retain-dropout)"
-    if task is not None and type(task).inference_step is not FairseqTask.inference_step:
-        return f"task {type(task).__name__} has its own inference_step"
-    if cfg.continuous == "auto" and not next(generator.model.parameters()).is_cuda and \
-            any(d.native_for_slots() is None for d in generator._decoders()):
-        # measured: docs/continuous-batching.md (the Python slot step is slower on CPU)
-        return ("auto on CPU without the C++ slot step (it needs the native step, "
-                "ancestor-indexed caches and fp32; --fastgen-continuous on forces it)")
-    return None
-
-
-class Feed:
-    """The engine's input: ``take(wait)`` gives the next ``(sample, prefix_tokens)``,
-    None when there is none yet (only with ``wait`` False: the engine then steps the
-    sentences in flight and asks again), and raises StopIteration at the end.  The engine
-    waits only when nothing is in flight."""
-
-    def __init__(self, batches: Iterable[Tuple[Dict[str, Any], Optional[Tensor]]]):
-        self._it = iter(batches)
-
-    def take(self, wait: bool) -> Optional[Tuple[Dict[str, Any], Optional[Tensor]]]:
-        return next(self._it)
-
-
-@dataclass
-class _Batch:
-    """One input batch in flight: its sample and its sentences' results."""
-    sample: Dict[str, Any]
-    hypos: List[Optional[list]]
-    remaining: int
-    prefix: Optional[Tensor] = None  # (bsz, P) int64
-    cross: list = field(default_factory=list)  # per model: per layer projected keys/values
-    max_len: int = 0
-    src_len: Optional[Tensor] = None  # (bsz,)
-
-
-@dataclass
-class _Pending:
-    batch: _Batch
-    index: int  # sentence within its batch
+# margin guard: done sentences held back (in slots' worth) before the ones to decode
+# again are decoded, however few (their batches' encoder output waits with them)
+HOLD_SLOTS = 16
 
 
 class ContinuousBeamSearch:
@@ -125,19 +49,41 @@ class ContinuousBeamSearch:
     """
 
     def __init__(self, generator, capacity: int = 0,
-                 regular: Optional[Callable[[Dict[str, Any], Optional[Tensor]], list]] = None):
+                 regular: Optional[Callable[[Dict[str, Any], Optional[Tensor]], list]] = None,
+                 onednn: Optional[bool] = None):
+        """onednn: the decoders' GEMM kernel (None: as ``--fastgen-gemm`` resolves it).
+        On oneDNN with ``--fastgen-margin-guard`` > 0, a sentence whose decoding compared
+        candidates closer than the margin is decoded again on MKL (:mod:`.margins`)."""
         self.gen = generator
         self.capacity = capacity
         self.regular = regular
         self.beam = generator.beam_size
-        rows = generator.fastgen.continuous_rows or _auto_rows(generator)
+        self.onednn = engine_onednn(generator) if onednn is None else onednn
+        self.margin = generator.fastgen.margin_guard if self.onednn else 0.0
+        rows = generator.fastgen.continuous_rows or auto_rows(generator, self.onednn)
         self.max_slots = max(1, rows // self.beam) if rows else None
         self.rules = StepRules.of(generator)
         self.singles_regular = regular is not None and generator.fastgen.continuous == "auto" \
             and not next(generator.model.parameters()).is_cuda
-        # the generator's own layer stacks: one copy of the weights
-        self.decoders = [SlotDecoder(d.stack, self.beam, native=d.native_for_slots())
-                         for d in generator._decoders()]
+        # the generator's own layer stacks, on this engine's kernel: one copy of the weights
+        self.decoders = []
+        for d in generator._decoders():
+            stack = d.stack.with_gemm(self.onednn)
+            native = d.native_for_slots()
+            self.decoders.append(SlotDecoder(
+                stack, self.beam, native=native.for_stack(stack) if native is not None else None))
+        self._reference: Optional["ContinuousBeamSearch"] = None
+        if self.margin > 0:
+            logger.info("fairseq-fastgen: continuous batching on oneDNN GEMMs; a sentence "
+                        "whose beam compared candidates closer than %g is decoded again on "
+                        "MKL (--fastgen-margin-guard)", self.margin)
+
+    def reference(self) -> "ContinuousBeamSearch":
+        """The engine on MKL, stock's kernel (the margin guard's second decoding)."""
+        if self._reference is None:
+            self._reference = ContinuousBeamSearch(self.gen, onednn=False)
+            self._reference.prepare()
+        return self._reference
 
     def prepare(self) -> None:
         for d in self.decoders:
@@ -160,15 +106,17 @@ class _Run:
         self.eng = eng
         self.feed = feed
         self.exhausted = False
-        self.order: Deque[_Batch] = deque()  # batches not yet handed out, input order
-        self.pending: Deque[_Pending] = deque()
+        self.order: Deque[Batch] = deque()  # batches not yet handed out, input order
+        self.pending: Deque[Pending] = deque()
         self.capacity = eng.capacity
         self.beams: Optional[SlotBeams] = None
         # per slot (host): its sentence, step, length limit
-        self.slot_of: List[Optional[_Pending]] = []  # None: free
+        self.slot_of: List[Optional[Pending]] = []  # None: free
         self._prefix: Optional[Tensor] = None  # (slots, P) prefix tokens of each slot
         self.steps: List[int] = []
         self.limits: List[int] = []
+        self.guard: Optional[margins.MarginGuard] = None  # with a margin, from the first admit
+        self.sentences = self.redone = 0
         for d in eng.decoders:
             d.reset()
 
@@ -180,7 +128,11 @@ class _Run:
                 self._retire(self._step())
             self._fill()
             yield from self._ready()
+        yield from self._ready(flush=True)
         assert not self.order, "continuous batching: a batch was left unfinished"
+        if self.eng.margin > 0 and self.sentences:
+            logger.info("fairseq-fastgen: margin guard: %d of %d sentences decoded again on "
+                        "MKL", self.redone, self.sentences)
 
     # ---- input -------------------------------------------------------------------------
 
@@ -196,11 +148,13 @@ class _Run:
                 return False
             if got is None:
                 return False
-            sample, prefix = got
+            # a second decoding (margin guard) also names its sentences and encoder output
+            sample, prefix, *again = got
             bsz = sample["net_input"]["src_tokens"].size(0)
             if self.eng.capacity == 0:  # the largest batch seen (fairseq's batches <= --batch-size)
                 self.capacity = max(self.capacity, min(bsz, self.eng.max_slots or bsz))
-            b = _Batch(sample, [None] * bsz, bsz, prefix)
+            indices = list(again[0]) if again else list(range(bsz))
+            b = Batch(sample, [None] * bsz, len(indices), prefix)
             self.order.append(b)
             if bsz == 0:
                 continue
@@ -209,16 +163,24 @@ class _Run:
                 b.hypos = self.eng.regular(sample, prefix)
                 b.remaining = 0
                 return False  # out before the next batch is read
-            self._encode(b)
-            self.pending.extend(_Pending(b, i) for i in range(bsz))
+            self._encode(b, again[1] if again else None)
+            self.pending.extend(Pending(b, i) for i in indices)
             return True
 
-    def _encode(self, b: _Batch) -> None:
+    def _encode(self, b: Batch, encoder_outs: Optional[list] = None) -> None:
+        """The batch's source lengths, length limit and encoder-decoder keys/values (of
+        ``encoder_outs`` if given).  Under the margin guard the encoder runs on MKL, as
+        stock's, and its output is kept for a second decoding."""
         net_input = b.sample["net_input"]
         rules = self.eng.rules
         b.src_len = rules.source_lengths(net_input)
         b.max_len = rules.max_len(net_input["src_tokens"], b.src_len)
-        encoder_outs = self.eng.gen.forward_encoder(net_input)
+        if encoder_outs is None:
+            guarded = self.eng.margin > 0
+            encoder_outs = self.eng.gen.forward_encoder(
+                net_input, onednn=self.eng.onednn and not guarded)
+            if guarded:
+                b.encoder_outs = encoder_outs
         b.cross = [d.batch_cross(encoder_outs[i] if encoder_outs is not None else None)
                    for i, d in enumerate(self.eng.decoders)]
 
@@ -244,7 +206,7 @@ class _Run:
         if any(p is None for p in self.slot_of):
             self._compact()
 
-    def _admit(self, take: List[_Pending], slots: List[int]) -> None:
+    def _admit(self, take: List[Pending], slots: List[int]) -> None:
         eng = self.eng
         for p, s in zip(take, slots):
             self.slot_of[s] = p
@@ -259,8 +221,14 @@ class _Run:
         self.beams.ensure(len(self.slot_of), max(self.limits) + 1)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         self.beams.start(slot_t, eng.gen.eos)  # stock's start token (bos_token=None)
+        if eng.margin > 0:
+            if self.guard is None:
+                g = eng.gen
+                self.guard = margins.MarginGuard(
+                    eng.margin, g.len_penalty if g.normalize_scores else None, dev)
+            self.guard.admit(slot_t, len(self.slot_of))
         rows = len(self.slot_of) * eng.beam
-        for b, (idx, group) in _by_batch(take, slots):
+        for b, (idx, group) in by_batch(take, slots):
             s_t = torch.tensor(group, dtype=torch.long, device=dev)
             i_t = torch.tensor(idx, dtype=torch.long, device=dev)
             for d, cross in zip(eng.decoders, b.cross):
@@ -305,8 +273,10 @@ class _Run:
         lprobs = rules.ban_repeats(lprobs, at, beams.tokens[:n], s, k)
         src_len = torch.stack([p.batch.src_len[p.index] for p in self.slot_of]) if (
             rules.match_source_len) else steps
-        order = beams.step(lprobs, steps, steps.eq(0), src_len)
         at_limit = steps.ge(limits)
+        order = beams.step(lprobs, steps, steps.eq(0), src_len, eng.margin, at_limit)
+        if self.guard is not None:
+            self.guard.step(beams.tight)
         stuck = at_limit & ~beams.had_eos
         if bool(stuck.any()):
             # stock finishes a sentence at its length limit only through an eos candidate;
@@ -340,11 +310,24 @@ class _Run:
         if not done:
             return
         dev = self.beams.device
-        for slot, hyps in zip(done, self.beams.hypotheses(torch.tensor(done, device=dev))):
+        done_t = torch.tensor(done, device=dev)
+        b = self.beams
+        again = self.guard.finished(done_t, b.fin_score, b.fin_len, b.fin_count) \
+            if self.guard is not None else [False] * len(done)
+        for slot, hyps, redo in zip(done, b.hypotheses(done_t), again):
             p = self.slot_of[slot]
-            p.batch.hypos[p.index] = hyps
+            if redo:
+                p.batch.redo.append(p.index)
+            else:
+                p.batch.hypos[p.index] = hyps
             p.batch.remaining -= 1
+            if p.batch.remaining == 0:
+                p.batch.cross = []  # only a second decoding reads the batch again
+                if not p.batch.redo:
+                    p.batch.encoder_outs = None
             self.slot_of[slot] = None
+        self.sentences += len(done)
+        self.redone += sum(again)
 
     def _compact(self) -> None:
         """Drop the free slots (no sentence is left to take them)."""
@@ -361,23 +344,42 @@ class _Run:
         for d in self.eng.decoders:
             d.reorder(rows, keep_t, t)
         self.slot_of = [self.slot_of[i] for i in keep]
+        if self.guard is not None:
+            self.guard.compact(keep_t)
         self.steps = [self.steps[i] for i in keep]
         self.limits = [self.limits[i] for i in keep]
         if self._prefix is not None:
             self._prefix = self._prefix.index_select(0, keep_t)
 
-    def _ready(self):
+    def _ready(self, flush: bool = False):
+        """Hand out the done batches at the head of the input order.  A batch with
+        sentences to decode again waits until enough of them are gathered to fill the
+        reference engine (:meth:`_again_due`), or ``flush``."""
         while self.order and self.order[0].remaining == 0:
+            if self.order[0].redo:
+                if not (flush or self._again_due()):
+                    return
+                self._decode_again()
             b = self.order.popleft()
-            b.cross = []
+            b.cross, b.encoder_outs = [], None
             yield b.sample, b.hypos
 
+    def _again_due(self) -> bool:
+        """Whether to decode the gathered sentences again now: as many as the engine has
+        slots, nothing in flight (the input may wait for this output), or many done
+        sentences held back."""
+        if not self.slot_of and not self.pending:
+            return True
+        done = [b for b in self.order if b.remaining == 0]
+        want = max(self.capacity, 1)
+        return sum(len(b.redo) for b in done) >= want or \
+            sum(len(b.hypos) for b in done) >= HOLD_SLOTS * want
 
-def _by_batch(take: List[_Pending], slots: List[int]):
-    """Group admitted sentences by batch: (batch, (indices, slots))."""
-    groups: Dict[int, Tuple[_Batch, Tuple[List[int], List[int]]]] = {}
-    for p, s in zip(take, slots):
-        g = groups.setdefault(id(p.batch), (p.batch, ([], [])))
-        g[1][0].append(p.index)
-        g[1][1].append(s)
-    return list(groups.values())
+    def _decode_again(self) -> None:
+        """The margin guard's sentences of every done batch, decoded on MKL together."""
+        batches = [b for b in self.order if b.remaining == 0 and b.redo]
+        items = [(b.sample, b.prefix, b.redo, b.encoder_outs) for b in batches]
+        for b, (_, hypos) in zip(batches, self.eng.reference().run(items)):
+            for i in b.redo:
+                b.hypos[i] = hypos[i]
+            b.redo = []

@@ -1,0 +1,144 @@
+"""The margin guard: which sentences a GEMM kernel that rounds otherwise than stock's may
+have decoded otherwise, so that they are decoded again with stock's kernel.
+
+oneDNN's GEMMs (models/gemm_kernel.py) sum in another order than MKL's, so every
+log-probability may move by a few units in the last places: on the bundled models a
+candidate's cumulative score moved by up to 6e-5 against the MKL run, and the difference
+between two candidates of one step by up to 4.8e-5 (512 kjv->web sentences, beam 5,
+benchmarks/results/NOTES.md, "Margin guard").  Beam search is a sequence of comparisons,
+and the output changes only where one of them comes out the other way.
+
+Why a step decided as stock would (given a bound ``margin`` on how far the difference of
+two candidates' scores can move): a step's outcome, as ``SequenceGenerator._generate``
+computes it from the candidates best first, is which candidates are finalized (eos among
+the first k positions, in order, while the sentence has fewer than k hypotheses) and
+which become the next hypotheses (the first k that are not eos or ignored, then the
+rest).  Give each candidate its role: finalized, taken, or neither (taken counts only
+if the sentence goes on).  Sorting is a sequence of swaps of neighbours; swapping two of
+one role changes no role (the order among finalized hypotheses is sorted away at the
+end, and the order of the next hypotheses matters only through exact ties, which are
+neighbours closer than any margin).  So if every pair of neighbours of different roles
+is at least ``margin`` apart, the reference kernel orders them the same and the step's
+outcome is stock's.  ``ignore`` is positional (fairseq masks the first k *positions*),
+so a slot with an ignored position checks all its neighbours.  The last pair needs the
+best candidate after the 2k that decide: the caller asks for 2k + 1.  Two -inf
+neighbours are the same bans either way and are skipped.  The finished hypotheses are
+then sorted by score: neighbours there must be ``margin / min(len)**lenpen`` apart
+(normalized scores move by the cumulative score's move over the length penalty).
+
+A sentence none of whose comparisons was tight is stock's (up to the scores' last
+places); one with a tight comparison is decoded again on MKL (engine.py), so the output
+is that of the reference kernel everywhere.  The bound is measured, not proven: the
+default margin is four times the largest move seen.
+"""
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+# the margin grows with the scores: margin * (1 + |score| / SCORE_SCALE) (a score's last
+# places grow with it; measured moves: 1.2e-5 at |score| 1, 2.7e-5 at 10, 1.1e-4 at 100)
+SCORE_SCALE = 25.0
+
+
+def tight_slots(cand_scores: Tensor, cand_words: Tensor, ignore: Tensor, fin_count: Tensor,
+                at_limit: Tensor, eos: int, decide: int, margin: float,
+                native=None) -> Tensor:
+    """Slots whose step compared two candidates of different roles closer than
+    ``margin`` (see the module doc).
+
+    cand_scores: (s, W) float, best first; cand_words: (s, W) int64; W = decide (= 2k) or
+    decide + 1; ignore: (>= s, k) bool and fin_count: (>= s,) int64 as before this
+    step's finalization; at_limit: (s,) bool.  Returns (s,) bool.  native: the C++
+    extension (CPU float32: ``slot_margins``, the same statements).
+    """
+    s = cand_scores.size(0)
+    if native is not None and cand_scores.device.type == "cpu" and \
+            cand_scores.dtype == torch.float32:
+        return native.slot_margins(cand_scores, cand_words, ignore, fin_count, at_limit,
+                                   eos, decide, margin, SCORE_SCALE)
+    k = ignore.size(1)
+    ign = ignore[:s]
+    sc = cand_scores[:, :decide]
+    masked = cand_words[:, :decide].eq(eos) & sc.ne(_NEG_INF)
+    masked[:, :k] &= ~ign
+    first = masked[:, :k]
+    accepted = first & (fin_count[:s].unsqueeze(1) + first.long().cumsum(1)).le(k)
+    goes_on = (fin_count[:s] + accepted.sum(1)).lt(k) & ~at_limit
+    out = masked.clone()
+    out[:, :k] |= ign
+    offsets = torch.arange(decide, device=sc.device)
+    _, active = torch.topk(out.long() * decide + offsets, k=k, dim=1, largest=False)
+    taken = torch.zeros_like(out).scatter_(1, active, True) & goes_on.unsqueeze(1)
+    role = torch.zeros(cand_scores.shape, dtype=torch.long, device=sc.device)
+    role[:, :k][accepted] = 1
+    role[:, :decide][taken] = 2
+    relevant = role[:, :-1].ne(role[:, 1:]) | ign.any(1, keepdim=True)
+    left, right = cand_scores[:, :-1], cand_scores[:, 1:]
+    close = left.ne(_NEG_INF) & (left - right).lt(margin * (1 + right.abs() / SCORE_SCALE))
+    return (relevant & close).any(1)
+
+
+def tight_finals(fin_score: Tensor, fin_len: Tensor, fin_count: Tensor, margin: float,
+                 len_penalty: Optional[float]) -> Tensor:
+    """Sentences whose finished hypotheses, sorted by score, have two neighbours closer
+    than ``margin / min(len) ** len_penalty`` (None: scores not normalized).
+
+    fin_score: (d, k) float (positions past fin_count unused); fin_len: (d, k) int64;
+    fin_count: (d,) int64.  Returns (d,) bool."""
+    d, k = fin_score.shape
+    if d == 0 or k < 2:
+        return torch.zeros(d, dtype=torch.bool, device=fin_score.device)
+    used = torch.arange(k, device=fin_score.device).unsqueeze(0) < fin_count.unsqueeze(1)
+    score = torch.where(used, fin_score.double(), torch.full_like(fin_score, _NEG_INF).double())
+    score, order = torch.sort(score, dim=1, descending=True)
+    length = fin_len.gather(1, order).double().clamp(min=1)
+    scale = length.pow(len_penalty) if len_penalty is not None else torch.ones_like(length)
+    low = torch.minimum(scale[:, :-1], scale[:, 1:])
+    right = score[:, 1:]
+    bound = margin * (1 + right.abs() * low / SCORE_SCALE) / low
+    left = score[:, :-1]
+    close = left.ne(_NEG_INF) & (left - right).lt(bound)
+    return close.any(1)
+
+
+def candidates_wanted(beam: int, vocab: int) -> int:
+    """Candidates per slot the guard asks for: the 2k that decide, and the next one where
+    the vocabulary has it (a first step draws on one hypothesis's words only)."""
+    return 2 * beam + 1 if 2 * beam + 1 <= vocab else 2 * beam
+
+
+
+class MarginGuard:
+    """One engine run's record of the slots whose sentence compared two candidates
+    within the margin (slot-indexed like the run's slots; compacted with them)."""
+
+    def __init__(self, margin: float, len_penalty: Optional[float], device):
+        """len_penalty: the final scores' length penalty (None: not normalized)."""
+        self.margin = margin
+        self.len_penalty = len_penalty
+        self.tight = torch.zeros(0, dtype=torch.bool, device=device)  # (slots,)
+
+    def admit(self, slots: Tensor, n: int) -> None:
+        """Slots (m,) of ``n`` in all start new sentences."""
+        if self.tight.numel() < n:
+            grown = torch.zeros(n, dtype=torch.bool, device=self.tight.device)
+            grown[: self.tight.numel()] = self.tight
+            self.tight = grown
+        self.tight[slots] = False
+
+    def step(self, tight: Tensor) -> None:
+        """tight: (s,) bool, this step's :func:`tight_slots` of the first s slots."""
+        self.tight[: tight.numel()] |= tight
+
+    def compact(self, keep: Tensor) -> None:
+        self.tight = self.tight.index_select(0, keep)
+
+    def finished(self, done: Tensor, fin_score: Tensor, fin_len: Tensor,
+                 fin_count: Tensor) -> List[bool]:
+        """For the done slots (d,): whether their sentence is to be decoded again (a tight
+        step, or finished hypotheses too close); the fin_* tensors are all slots'."""
+        finals = tight_finals(fin_score.index_select(0, done), fin_len.index_select(0, done),
+                              fin_count.index_select(0, done), self.margin, self.len_penalty)
+        return (self.tight.index_select(0, done) | finals).tolist()

@@ -1,0 +1,69 @@
+"""What continuous batching serves, and on which kernel and row bound.
+
+:func:`unsupported` says why a run's batches go batch-at-a-time instead (the engine then
+never sees them); :func:`engine_onednn` and :func:`auto_rows` resolve the engine's GEMM
+kernel and its bound on rows in flight from the generator's config, once per engine.
+"""
+from typing import Optional
+
+# --fastgen-continuous-rows 0 on CPU: rows in flight at most.  Measured (Xeon, es->en,
+# beam 5, docs/continuous-batching.md): 16-32 sentences beat 64, 1 and 2 threads alike;
+# a step's (rows, vocab) logits then stay in the core's cache.  With oneDNN's GEMMs
+# (models/gemm_kernel.py), which gain more from rows than MKL's, 256 rows took a
+# batch-64 run 9.9-10.0 s -> 8.2-8.8 s (AMD EPYC; benchmarks/results/NOTES.md).
+AUTO_CPU_ROWS = 128
+AUTO_CPU_ROWS_ONEDNN = 256
+
+
+def auto_rows(generator, onednn: bool) -> int:
+    """Rows in flight at most by default (0: no bound)."""
+    if next(generator.model.parameters()).is_cuda:
+        return 0
+    return AUTO_CPU_ROWS_ONEDNN if onednn else AUTO_CPU_ROWS
+
+
+def engine_onednn(generator) -> bool:
+    """Whether the engine's decoders run their GEMMs on oneDNN: ``--fastgen-gemm onednn``,
+    or ``auto`` where oneDNN measures faster and the margin guard can catch its rounding
+    (the batch-at-a-time path stays on MKL under ``auto``)."""
+    cfg = generator.fastgen
+    stacks = [d.stack for d in generator._decoders()]
+    if cfg.gemm == "onednn":
+        return all(st.onednn for st in stacks)
+    return cfg.gemm == "auto" and cfg.margin_guard > 0 and all(st.onednn_faster() for st in stacks)
+
+
+def unsupported(generator, task=None, constraints: bool = False) -> Optional[str]:
+    """Why these batches are decoded one at a time (None: the engine serves them)."""
+    from fairseq.tasks import FairseqTask
+
+    cfg = getattr(generator, "fastgen", None)
+    if cfg is None or not hasattr(generator, "_decoders"):
+        return "not the fastgen generator"
+    if cfg.continuous == "off":
+        return "switched off (--fastgen-continuous off)"
+    if cfg.bitwise:
+        return "bitwise mode keeps stock's batches and GEMM shapes"
+    if generator._fallback_reason is not None:
+        return generator._fallback_reason
+    if getattr(generator, "_sampling", False):
+        return "sampling draws stock's random numbers over stock's batches"
+    if generator.need_attn:
+        return "attention weights are kept (--print-alignment or --fastgen-attention)"
+    if constraints:
+        return "lexical constraints"
+    if generator.beam_size == 1 and cfg.aggressive != "off":
+        return "aggressive decoding serves greedy search"
+    blocker = generator.repeat_ngram_blocker
+    if blocker is not None and not hasattr(blocker, "ban_ragged"):
+        return "fairseq's own n-gram blocker (--fastgen-ngram-blocker stock)"
+    if generator.model.models[0].training:
+        return "models in training mode (--retain-dropout)"
+    if task is not None and type(task).inference_step is not FairseqTask.inference_step:
+        return f"task {type(task).__name__} has its own inference_step"
+    if cfg.continuous == "auto" and not next(generator.model.parameters()).is_cuda and \
+            any(d.native_for_slots() is None for d in generator._decoders()):
+        # measured: docs/continuous-batching.md (the Python slot step is slower on CPU)
+        return ("auto on CPU without the C++ slot step (it needs the native step, "
+                "ancestor-indexed caches and fp32; --fastgen-continuous on forces it)")
+    return None

@@ -1,0 +1,213 @@
+"""The margin guard (search/continuous/margins.py): continuous batching on a GEMM kernel
+that rounds otherwise than stock's decodes a sentence again on MKL when its beam search
+compared candidates closer than the margin.
+
+The rule is tested statement by statement (C++ against Python, and cases whose outcome
+is known), and end to end with a kernel made to round much worse than oneDNN does: there
+the unguarded engine gives other hypotheses than stock, and the guarded one stock's."""
+import logging
+
+import pytest
+import torch
+
+from conftest import assert_same_hypos, batches, bundled, generators, load
+from fairseq_fastgen.config import FastGenConfig, FastGenConfigError
+from fairseq_fastgen.models import gemm_kernel, native_step
+from fairseq_fastgen.search.continuous import ContinuousBeamSearch
+from fairseq_fastgen.search.continuous import engine as eng
+from fairseq_fastgen.search.continuous import margins
+
+needs_onednn = pytest.mark.skipif(not gemm_kernel.available(),
+                                  reason="this torch build has no oneDNN linear op")
+EOS = 2
+NEG = float("-inf")
+
+
+def _tight(scores, words, ignore=None, fin=0, at_limit=False, margin=1e-3, k=2, native=None):
+    cs = torch.tensor([scores], dtype=torch.float32)
+    cw = torch.tensor([words], dtype=torch.long)
+    ig = torch.tensor([ignore or [False] * k])
+    return bool(margins.tight_slots(cs, cw, ig, torch.tensor([fin]), torch.tensor([at_limit]),
+                                    EOS, 2 * k, margin, native)[0])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_which_comparisons_count(native):
+    """k = 2, four deciding candidates and the next one."""
+    mod = native_step.load() if native else None
+    if native and mod is None:
+        pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
+    t = lambda *a, **kw: _tight(*a, native=mod, **kw)  # noqa: E731
+    # two taken hypotheses close together: their order does not matter
+    assert not t([-1.0, -1.0001, -3, -4, -5], [5, 6, 7, 8, 9])
+    # the second taken one and the first dropped one close: it does
+    assert t([-1.0, -2.0, -2.0001, -4, -5], [5, 6, 7, 8, 9])
+    # an eos at the last finalizing position (k-1) close to the next one
+    assert t([-1.0, -2.0, -2.0001, -4, -5], [5, EOS, 7, 8, 9])
+    # two finalized eos close together: both are finalized either way
+    assert not t([-1.0, -1.0001, -3, -4, -5], [EOS, EOS, 7, 8, 9])
+    # at its length limit a slot only finalizes: the taken/dropped boundary is moot
+    assert not t([-1.0, -1.5, -3.0, -3.0001, -5], [EOS, 5, 7, 8, 9], at_limit=True)
+    assert t([-1.0, -1.5, -3.0, -3.0001, -5], [EOS, 5, 7, 8, 9])
+    # k hypotheses with this step: done, nothing taken
+    assert not t([-1.0, -3.0, -3.0001, -4, -5], [EOS, 4, 7, 8, 9], fin=1)
+    # the candidate after the 2k decides too when the last deciding one is taken
+    assert t([-1.0, -2.0, -3.0, -4.0, -4.0001], [EOS, 5, EOS, 8, 9])
+    # -inf neighbours: the same bans either way
+    assert not t([-1.0, -2.0, NEG, NEG, NEG], [5, 6, 7, 8, 9])
+    # an ignored position: every close pair counts
+    assert t([-1.0, -1.0001, -3, -4, -5], [5, 6, 7, 8, 9], ignore=[False, True])
+    # the margin grows with the scores: 1.5e-3 apart is tight at -50, not at -1
+    assert t([-1.0, -50.0, -50.0015, -60, -70], [5, 6, 7, 8, 9])
+    assert not t([-1.0, -1.5, -1.5015, -4, -5], [5, 6, 7, 8, 9])
+
+
+def test_native_and_python_rules_agree():
+    mod = native_step.load()
+    if mod is None:
+        pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 2, 5):
+        for width in (2 * k, 2 * k + 1):
+            s = 300
+            gaps = torch.rand(s, width, generator=g) ** 4 * 0.01  # many close pairs
+            cs = -(gaps.cumsum(1) + torch.rand(s, 1, generator=g) * 30)
+            cs[torch.rand(s, width, generator=g) < 0.05] = NEG
+            cs = cs.sort(1, descending=True).values
+            cw = torch.randint(0, 6, (s, width), generator=g)
+            cw[cw == 1] = EOS
+            ig = torch.rand(s + 3, k, generator=g) < 0.1
+            fc = torch.randint(0, k + 1, (s + 3,), generator=g)
+            al = torch.rand(s, generator=g) < 0.2
+            for m in (1e-4, 3e-3):
+                py = margins.tight_slots(cs, cw, ig, fc, al, EOS, 2 * k, m, None)
+                cc = margins.tight_slots(cs, cw, ig, fc, al, EOS, 2 * k, m, mod)
+                assert torch.equal(py, cc), (k, width, m)
+                assert 0 < int(py.sum()) < s
+
+
+def test_finished_hypotheses_too_close():
+    score = torch.tensor([[-1.0, -1.00001, -2.0], [-1.0, -1.5, -2.0], [-1.0, -3.0, -1.0]])
+    length = torch.tensor([[4, 4, 4], [4, 4, 4], [3, 3, 3]])
+    count = torch.tensor([3, 3, 2])  # the last row's third hypothesis is unused
+    got = margins.tight_finals(score, length, count, 1e-4, None)
+    assert got.tolist() == [True, False, False]
+    # normalized scores move by the cumulative move over the length penalty: a pair
+    # 1e-5 apart is tight at length 4 with margin 1e-4 and lenpen 1
+    assert margins.tight_finals(score[:1], length[:1], count[:1], 1e-4, 1.0).tolist() == [True]
+    assert not margins.tight_finals(score[1:2], length[1:2], count[1:2], 1e-4, 1.0).any()
+
+
+def test_margin_option():
+    assert FastGenConfig().margin_guard == 1e-4 and FastGenConfig().gemm == "auto"
+    assert FastGenConfig.from_mapping({"margin_guard": "5e-5"}).margin_guard == 5e-5
+    for bad in (-1.0, float("inf"), "x", True):
+        with pytest.raises(FastGenConfigError, match="margin_guard"):
+            FastGenConfig.from_mapping({"margin_guard": bad})
+
+
+def _rough_kernel(monkeypatch, amplitude):
+    """oneDNN's linear with a deterministic error of up to ``amplitude`` added."""
+    real = gemm_kernel._pointwise
+
+    def rough(x, w, b):
+        out = real(x, w, b)
+        return out + amplitude * torch.sin(out * 1e4)
+
+    monkeypatch.setattr(gemm_kernel, "_pointwise", rough)
+
+
+def _stream(task, models, cfg, fastgen, batch=7, limit=6, prefix=0):
+    stock, fast = generators(task, models, fastgen, beam=5, max_len_b=30)
+    samples = list(batches(task, cfg, batch, limit=limit))
+    inputs = [(b, b["target"][:, :prefix] if prefix else None) for b in samples]
+    expected = [stock.generate(models, b, prefix_tokens=p) for b, p in inputs]
+    engine = ContinuousBeamSearch(fast, regular=lambda s, p: fast.generate(models, s, prefix_tokens=p))
+    got = list(engine.run(iter(inputs)))
+    assert [s is b for (s, _), (b, _) in zip(got, inputs)] == [True] * len(inputs)
+    return expected, [h for _, h in got], engine
+
+
+def _differing(expected, got) -> int:
+    n = 0
+    for e_b, g_b in zip(expected, got):
+        for e, g in zip(e_b, g_b):
+            n += [h["tokens"].tolist() for h in e] != [h["tokens"].tolist() for h in g]
+    return n
+
+
+def _redone(caplog):
+    lines = [r.getMessage() for r in caplog.records if "margin guard:" in r.getMessage()]
+    assert len(lines) == 1, lines
+    redone, total = lines[0].split("guard: ")[1].split(" sentences")[0].split(" of ")
+    return int(redone), int(total)
+
+
+@needs_onednn
+def test_guard_catches_a_kernel_that_rounds_worse(tiny, monkeypatch, caplog):
+    """GEMM outputs off by up to 1e-2: unguarded, hypotheses differ from stock's;
+    with a margin of 0.1 every hypothesis has stock's tokens, and not every sentence
+    was decoded twice."""
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    _rough_kernel(monkeypatch, 1e-2)
+    expected, got, _ = _stream(task, models, cfg, FastGenConfig(gemm="onednn", margin_guard=0))
+    assert _differing(expected, got) > 0
+    with caplog.at_level(logging.INFO, logger=eng.__name__):
+        expected, got, engine = _stream(task, models, cfg,
+                                        FastGenConfig(gemm="onednn", margin_guard=0.1))
+    assert engine.onednn and engine.margin == 0.1
+    assert _differing(expected, got) == 0  # tokens (the rough kernel's scores are off)
+    redone, total = _redone(caplog)
+    assert 0 < redone < total == sum(len(e) for e in expected)
+
+
+@needs_onednn
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_every_sentence_decoded_again_is_the_mkl_engines(tiny, monkeypatch, caplog, prefix):
+    """A margin no comparison clears: every sentence goes through the second decoding
+    (held back, gathered, its batch's encoder output reused), and the stream gives the
+    MKL engine's hypotheses (and stock's), in order, each once."""
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    _rough_kernel(monkeypatch, 1e-2)
+    expected, mkl, _ = _stream(task, models, cfg, FastGenConfig(gemm="mkl"), prefix=prefix)
+    with caplog.at_level(logging.INFO, logger=eng.__name__):
+        _, got, _ = _stream(task, models, cfg, FastGenConfig(gemm="onednn", margin_guard=1e9),
+                            prefix=prefix)
+    redone, total = _redone(caplog)
+    assert redone == total == sum(len(b) for b in mkl)
+    for e_b, m_b, g_b in zip(expected, mkl, got):
+        assert_same_hypos(m_b, g_b, bitwise=False)
+        assert_same_hypos(e_b, g_b, bitwise=False)
+
+
+def test_auto_runs_the_batch_path_on_mkl_and_the_engine_as_measured(tiny, monkeypatch):
+    from fairseq_fastgen.models.layers import DecoderStack
+
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    for faster in (False, True):
+        monkeypatch.setattr(DecoderStack, "onednn_faster", lambda self, f=faster: f)
+        _, fast = generators(task, models, FastGenConfig(), beam=4, max_len_b=20)
+        assert not fast._decoders()[0].stack.onednn  # batch at a time: stock's kernel
+        engine = ContinuousBeamSearch(fast)
+        engine.prepare()
+        want = faster and gemm_kernel.available()
+        assert engine.onednn == want and engine.margin == (1e-4 if want else 0.0)
+        assert all(d.stack.onednn == want for d in engine.decoders)
+        # the twin shares the weight copies
+        assert engine.decoders[0].stack.layers[0].fc1.wt is fast._decoders()[0].stack.layers[0].fc1.wt
+    _, fast = generators(task, models, FastGenConfig(margin_guard=0), beam=4, max_len_b=20)
+    assert not ContinuousBeamSearch(fast).onednn  # unguarded oneDNN only when asked for
+
+
+@needs_onednn
+def test_bundled_model_guarded_matches_stock():
+    """The bundled kjv->web model on oneDNN under the guard, continuous: stock's
+    hypotheses (its real rounding, not a made-up one)."""
+    m = bundled("kjv-web")
+    task, models, cfg = load(m.data, [m.path], extra=["--source-lang", m.src,
+                                                       "--target-lang", m.tgt])
+    expected, got, engine = _stream(task, models, cfg, FastGenConfig(gemm="onednn"),
+                                    batch=16, limit=4)
+    assert engine.margin == 1e-4
+    for e, g in zip(expected, got):
+        assert_same_hypos(e, g, bitwise=False)
