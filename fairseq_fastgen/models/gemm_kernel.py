@@ -15,8 +15,12 @@ through :func:`linears`, a ``TorchFunctionMode`` that sends their ``F.linear`` c
 ``auto`` decides by measuring both kernels once per process on the model's output
 projection shape (:func:`use_onednn`; a few milliseconds) and takes oneDNN only when it
 is clearly faster (``MARGIN``), so two processes of one machine decide alike.  oneDNN sums
-in another order than MKL (the last bit of a logit may differ, the output is not
+in another order than MKL (the last places of a logit differ, the output is not
 byte-identical): a lossless-mode optimization, never used in bitwise mode, CPU fp32 only.
+Where two candidates of a beam are that close, the order can flip: ``auto`` therefore
+serves only continuous batching, under the margin guard
+(:mod:`~fairseq_fastgen.search.continuous.margins`), which decodes such a sentence again
+on MKL; the batch-at-a-time path stays on MKL.
 """
 import contextlib
 import functools

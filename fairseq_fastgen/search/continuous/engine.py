@@ -12,6 +12,11 @@ each at its own step.  Batches come out whole and in input order.
 Batches the engine does not serve (a prefix that contains eos: stock then copies beams
 across the batch) are decoded by the generator's batch-at-a-time path, in order.
 
+On oneDNN's GEMMs (``--fastgen-gemm auto``/``onednn``) the margin guard (:mod:`.margins`)
+marks each sentence whose beam compared candidates too close to call; those are decoded
+again by a second engine on MKL, from their batch's encoder output (computed on MKL),
+once enough are gathered to fill it or nothing else is in flight, and their batch waits.
+
 The input is an iterable of batches, or a feed (:class:`Feed`) that may have no batch
 yet: a decoding worker's task queue (tasks/stream_worker.py), which must not be waited on
 while sentences are in flight.
