@@ -160,6 +160,23 @@ def slope_per_10k(samples: List[dict], n: int) -> Optional[float]:
     written: not the exit): the least-squares slope of PSS over time, divided by the
     sentences per second of that stretch (written output comes in steps, time does not)."""
     window = [s for s in samples if n / 2 <= s["done"] < n]
+    slope = _slope(window)
+    if slope is None:
+        # output in bursts (continuous batching holds a batch whose sentences the margin
+        # guard decodes again): the second half in time of the writing, up to the last line
+        end = next((i for i, s in enumerate(samples) if s["done"] >= n), None)
+        start = next((i for i, s in enumerate(samples) if s["done"] > 0), None)
+        if end is None or start is None:
+            return None
+        writing = samples[start:end + 1]
+        mid = (writing[0]["t"] + writing[-1]["t"]) / 2
+        slope = _slope([s for s in writing if s["t"] >= mid])
+    return slope
+
+
+def _slope(window: List[dict]) -> Optional[float]:
+    """MB per 10,000 sentences over ``window``: PSS's least-squares slope over time over
+    the sentences per second written in it; None: too few samples or nothing written."""
     if len(window) < 2:
         return None
     per_s = least_squares([s["t"] for s in window], [s["pss"] for s in window])

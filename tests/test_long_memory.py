@@ -62,6 +62,11 @@ def test_slope_is_per_10k_sentences_over_the_second_half():
     flat = _samples(lambda d: 300.0, n)
     assert lm.slope_per_10k(flat, n) == pytest.approx(0.0, abs=1e-9)
     assert lm.slope_per_10k(flat[:3], n) is None  # no sample in the second half
+    # output in two bursts (a held batch): the second half in time of the writing
+    burst = [dict(t=t, done=d, pss=100.0 + t) for t, d in
+             [(0, 0), (1, 0), (2, 200), (3, 200), (4, 200), (5, 800), (6, 800), (7, 1000), (8, 1000)]]
+    # t 5..7: 1 MB/s while 200 sentences come in 2 s: 100 MB per 10k
+    assert lm.slope_per_10k(burst, n) == pytest.approx(100.0, rel=1e-6)
     assert lm.at_fraction(s, n, 0.9) == pytest.approx(100 + 400 * 0.005)
 
 
