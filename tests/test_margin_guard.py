@@ -211,3 +211,27 @@ def test_bundled_model_guarded_matches_stock():
     assert engine.margin == 1e-4
     for e, g in zip(expected, got):
         assert_same_hypos(e, g, bitwise=False)
+
+
+@needs_onednn
+def test_a_flagged_sentence_leaves_its_slot_at_once(tiny, monkeypatch):
+    """With a margin no comparison clears, every sentence is flagged at its first step
+    and leaves the oneDNN engine then (its slot takes the next sentence), not at its end;
+    the output is still the MKL engine's."""
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    expected, mkl, _ = _stream(task, models, cfg, FastGenConfig(gemm="mkl"))
+    left = []  # per oneDNN step: (sentences done, sentences in flight)
+    real = eng._Run._step
+
+    def spied(self):
+        n = len(self.slot_of)
+        done = real(self)
+        if self.eng.onednn:
+            left.append((len(done), n))
+        return done
+
+    monkeypatch.setattr(eng._Run, "_step", spied)
+    _, got, _ = _stream(task, models, cfg, FastGenConfig(gemm="onednn", margin_guard=1e9))
+    assert left and all(d == n for d, n in left), left
+    for m_b, g_b in zip(mkl, got):
+        assert_same_hypos(m_b, g_b, bitwise=False)

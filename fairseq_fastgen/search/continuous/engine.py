@@ -13,9 +13,11 @@ Batches the engine does not serve (a prefix that contains eos: stock then copies
 across the batch) are decoded by the generator's batch-at-a-time path, in order.
 
 On oneDNN's GEMMs (``--fastgen-gemm auto``/``onednn``) the margin guard (:mod:`.margins`)
-marks each sentence whose beam compared candidates too close to call; those are decoded
-again by a second engine on MKL, from their batch's encoder output (computed on MKL),
-once enough are gathered to fill it or nothing else is in flight, and their batch waits.
+marks each sentence whose beam compared candidates too close to call; such a sentence
+leaves its slot at that step (whatever its later steps, it is decoded again), and those
+are decoded again by a second engine on MKL, from their batch's encoder output (computed
+on MKL), once enough are gathered to fill it or nothing else is in flight, and their
+batch waits.
 
 The input is an iterable of batches, or a feed (:class:`Feed`) that may have no batch
 yet: a decoding worker's task queue (tasks/stream_worker.py), which must not be waited on
@@ -290,6 +292,10 @@ class _Run:
             i = int(stuck.nonzero()[0])
             raise AssertionError(f"{self.steps[i]} < {self.limits[i]}")
         done_t = beams.fin_count[:s].ge(k) | at_limit
+        if self.guard is not None:
+            # a flagged sentence is decoded again whatever its later steps: out now, so
+            # that its slot takes the next sentence and its second decoding comes sooner
+            done_t |= self.guard.tight[:s]
         done = done_t.nonzero().squeeze(1).tolist()
         for d in eng.decoders:
             d.reorder(order, None, t_max + 1)
