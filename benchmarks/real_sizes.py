@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fairseq_fastgen.compare import compare_outputs, model_rescorer  # noqa: E402
+from fairseq_fastgen.compare import compare_outputs  # noqa: E402
+from fairseq_fastgen.rescore import model_rescorer  # noqa: E402
 from suite.machine import gemm_throughput, machine_info, matmul_flops  # noqa: E402
 from suite.progress import log  # noqa: E402
 from suite.runners import ProcessRunner  # noqa: E402

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .agreement import agreement
+from .rescore import lazy_rescorer
+
 PLUGIN_DIR = str(Path(__file__).resolve().parent)
 SCORE_TOL = 1e-4
 PRINTED_TOL = 2e-4  # P lines print 4 decimals: 1e-4 agreement plus rounding of each side
@@ -256,46 +259,6 @@ def _fdiff(x: str, y: str) -> float:
     return abs(fx - fy)
 
 
-def model_rescorer(data: str, path: str, extra: Sequence[str] = ()):
-    """A rescore callable: sentence score of a hypothesis text under the stock model.
-
-    The hypothesis text is the D line (detokenized) or H line; it is encoded back with the
-    task's tokenizer/BPE through fairseq's hub interface, then scored as fairseq's
-    SequenceScorer does (mean log-probability including EOS).
-    """
-    import torch
-    from fairseq import checkpoint_utils, options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.hub_utils import GeneratorHubInterface
-
-    parser = options.get_generation_parser()
-    args = options.parse_args_and_arch(parser, [data, "--path", path, *extra])
-    cfg = convert_namespace_to_omegaconf(args)
-    task = tasks.setup_task(cfg.task)
-    models, _ = checkpoint_utils.load_model_ensemble(path.split(":"), task=task)
-    hub = GeneratorHubInterface(cfg, task, models)
-    dataset = task.dataset(cfg.dataset.gen_subset)
-
-    def rescore(sid: int, hyp_a: str, hyp_b: str) -> Tuple[float, float]:
-        src = dataset[sid]["source"]
-        out = []
-        for hyp in (hyp_a, hyp_b):
-            tgt = hub.encode(hyp)
-            with torch.no_grad():
-                scores = []
-                for m in hub.models:
-                    m.eval()
-                    prev = torch.cat([tgt[-1:], tgt[:-1]]).unsqueeze(0)
-                    logits, _ = m(src.unsqueeze(0), torch.tensor([src.numel()]), prev)
-                    lp = m.get_normalized_probs((logits, None), log_probs=True)[0]
-                    scores.append(lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
-                pos = torch.stack(scores).mean(0)
-            out.append(float(pos.sum() / pos.numel()))
-        return out[0], out[1]
-
-    return rescore
-
-
 @dataclass
 class SideBySide:
     comparison: Comparison
@@ -350,12 +313,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--no-rescore", action="store_true", help="do not rescore differing hypotheses")
+    p.add_argument("--floor-batch-size", type=int, help=(
+        "also run stock at this --batch-size (the noise floor); the run then passes when the "
+        "plugin agrees with stock at least as often as stock with itself (--fp16, --bf16)"))
     opts = p.parse_args(argv[:cut])
     gen_args = argv[cut + 1:]
     rescore = None
     if not opts.no_rescore and "--path" in gen_args and gen_args:
         data, path = gen_args[0], gen_args[gen_args.index("--path") + 1]
-        rescore = _lazy_rescorer(data, path, gen_args)
+        rescore = lazy_rescorer(data, path, gen_args)
     res = side_by_side(gen_args, opts.plugin_args.split(), opts.repeats, opts.entry,
                        threads=opts.threads, rescore=rescore)
     c = res.comparison
@@ -364,31 +330,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("  diff:", d)
     for t in c.near_ties[:10]:
         print("  near-tie:", t)
+    agree = agreement(res.stock[0].stdout, res.plugin[0].stdout)
+    print("  agreement:", agree.summary())
+    floor = None
+    if opts.floor_batch_size:
+        other = run_generate(_with_batch_size(gen_args, opts.floor_batch_size), False)
+        floor = agreement(res.stock[0].stdout, other.stdout)
+        print(f"  noise floor: stock at batch size {opts.floor_batch_size}:",
+              floor.summary("stock", "stock"))
     r = res.ratios()
     print("  " + ", ".join(f"{k}={v:.3f}" for k, v in r.items()))
     if opts.json:
         Path(opts.json).write_text(json.dumps({"lossless": c.lossless, "identical": c.identical,
                                                "differences": c.differences[:50],
-                                               "near_ties": c.near_ties, **r}, indent=2))
+                                               "near_ties": c.near_ties, "agree": agree.same,
+                                               "agree_of": agree.sentences, **r}, indent=2))
+    if floor is not None:
+        return 0 if agree.same >= floor.same and not agree.only_one else 1
     return 0 if c.lossless else 1
 
 
-def _lazy_rescorer(data, path, gen_args):
-    cache = {}
-
-    def rescore(sid, a, b):
-        if "f" not in cache:
-            keep = [x for x in gen_args[1:] if x not in ("--path", path)]
-            passthrough = []
-            for flag in ("--source-lang", "--target-lang", "--task", "--gen-subset", "--bpe",
-                         "--sentencepiece-model", "--tokenizer", "--post-process", "--remove-bpe"):
-                if flag in keep:
-                    i = keep.index(flag)
-                    passthrough += keep[i:i + 2]
-            cache["f"] = model_rescorer(data, path, passthrough)
-        return cache["f"](sid, a, b)
-
-    return rescore
+def _with_batch_size(args: List[str], batch_size: int) -> List[str]:
+    out = list(args)
+    for flag in ("--batch-size", "--max-sentences"):
+        if flag in out:
+            out[out.index(flag) + 1] = str(batch_size)
+            return out
+    return out + ["--batch-size", str(batch_size)]
 
 
 if __name__ == "__main__":

@@ -233,6 +233,16 @@ class FastGenConfig:
             "choices": SAMPLING_SEEDS,
         },
     )
+    bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "generation's GEMMs in bfloat16 (CPU: AVX512-BF16 / AMX; CUDA: Ampere "
+            "or newer), accumulation, norms, softmax, log-probabilities and scores in fp32; "
+            "a device without bfloat16 support logs one line and runs fp32. Set by "
+            "fairseq's own --bf16 (Hydra common.bf16), which stock generation ignores",
+            "fairseq_flag": "bf16",
+        },
+    )
     resume_dir: str = field(
         default="",
         metadata={
@@ -273,21 +283,23 @@ class FastGenConfig:
         """Which optimizations this config switches on (for the one start-up log line)."""
         on = self.enabled
         fast = on and self.fast_decoder
+        fp32 = not self.bf16  # bfloat16 steps aside the fp32 machinery (models/precision.py)
         return {
             "fast_decoder": fast,
             "shared_encoder": fast and self.shared_encoder,
             "kv_cache": fast and self.kv_cache,
             "kv_reuse": fast and self.kv_cache and self.kv_reuse,
             "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
-            "native_step": fast and self.native_step and not self.bitwise,
-            "ancestor_kv": fast and self.native_step and self.ancestor_kv and not self.bitwise,
-            "fused_cross_attention": fast and self.native_step and self.fused_cross_attention
+            "native_step": fast and fp32 and self.native_step and not self.bitwise,
+            "ancestor_kv": fast and fp32 and self.native_step and self.ancestor_kv and not self.bitwise,
+            "fused_cross_attention": fast and fp32 and self.native_step and self.fused_cross_attention
             and not self.bitwise,
             "native_candidates": fast and self.native_candidates and not self.bitwise,
-            "gemm=" + self.gemm: fast and not self.bitwise,
+            "gemm=" + self.gemm: fast and fp32 and not self.bitwise,
             "continuous_batching=" + self.continuous: (
-                fast and self.continuous != "off" and not self.bitwise),
+                fast and fp32 and self.continuous != "off" and not self.bitwise),
             "ngram_blocker=" + self.ngram_blocker: on,
+            "bf16": on and self.bf16,
             "aggressive_greedy=" + self.aggressive + (
                 "+draft_model" if self.draft_model else ""): fast and self.aggressive != "off",
         }

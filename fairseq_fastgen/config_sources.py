@@ -20,6 +20,8 @@ def add_args(parser) -> None:
         return
     group = parser.add_argument_group("fairseq-fastgen")
     for f in fields(FastGenConfig):
+        if "fairseq_flag" in f.metadata:
+            continue  # fairseq's own flag (e.g. --bf16) sets it: see namespace_values
         dest = "fastgen_" + f.name
         help_ = f.metadata.get("help", "")
         if f.type in (bool, "bool"):
@@ -47,12 +49,19 @@ def from_namespace(args) -> Optional[FastGenConfig]:
 
 
 def namespace_values(args) -> Dict[str, Any]:
-    """The ``--fastgen-*`` values on a parsed Namespace, by option name."""
-    return {
-        f.name: getattr(args, "fastgen_" + f.name)
-        for f in fields(FastGenConfig)
-        if hasattr(args, "fastgen_" + f.name)
-    }
+    """The ``--fastgen-*`` values on a parsed Namespace, by option name; an option that
+    fairseq's own flag sets (``--bf16``) only where that flag is on."""
+    values = {f.name: getattr(args, "fastgen_" + f.name)
+              for f in fields(FastGenConfig) if hasattr(args, "fastgen_" + f.name)}
+    if values:
+        values.update(_fairseq_flags(lambda name: getattr(args, name, False)))
+    return values
+
+
+def _fairseq_flags(read) -> Dict[str, Any]:
+    """The options fairseq's own flags switch on, ``read(flag)`` giving each flag's value."""
+    return {f.name: True for f in fields(FastGenConfig)
+            if "fairseq_flag" in f.metadata and read(f.metadata["fairseq_flag"]) is True}
 
 
 def from_hydra(cfg) -> Optional[FastGenConfig]:
@@ -81,7 +90,9 @@ def hydra_values(cfg) -> Optional[Dict[str, Any]]:
     from omegaconf import OmegaConf
 
     root = cfg._get_root()
+    common = root.get("common", None) if "common" in root else None
+    flags = _fairseq_flags(lambda name: common.get(name, False)) if is_node(common) else {}
     node = root.get("fastgen", None) if "fastgen" in root else None
     if node is None:
-        return None
-    return OmegaConf.to_container(node, resolve=True)
+        return flags or None
+    return {**flags, **OmegaConf.to_container(node, resolve=True)}

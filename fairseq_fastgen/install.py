@@ -161,8 +161,8 @@ def _wrap_build_generator(original):
             return original(self, models, args, seq_gen_cls=seq_gen_cls,
                             extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                             prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-        from .search.fast_sequence_generator import (
-            FastSequenceGenerator, FastSequenceGeneratorWithAlignment)
+        from .search.alignment_generator import FastSequenceGeneratorWithAlignment
+        from .search.fast_sequence_generator import FastSequenceGenerator
 
         extra = dict(extra_gen_cls_kwargs or {})
         extra["fastgen"] = cfg

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from fairseq_fastgen.compare import compare_outputs, model_rescorer, parse_output
+from fairseq_fastgen.compare import compare_outputs, parse_output
+from fairseq_fastgen.rescore import model_rescorer
 
 from .grid import BUNDLE, CellSpec, Grid, Repeats
 from .machine import matmul_flops

@@ -19,7 +19,7 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from . import gemm_kernel
+from . import gemm_kernel, precision
 from .cached_attention import CrossAttentionCache
 from .linear import TransposedLinear, projection, refresh_all, with_kernel
 from .packed_gemm import max_packs as packs_within
@@ -301,13 +301,18 @@ class DecoderStack:
             logits = self.project_out(x[i: i + LPROB_BLOCK])
             if temperature != 1.0:
                 logits = logits.div_(temperature)
-            # = fairseq utils.log_softmax(logits, dim=-1) (float32)
-            torch.log_softmax(logits, dim=-1, out=out[i: i + LPROB_BLOCK])
+            # = fairseq utils.log_softmax(logits, dim=-1), which normalizes half-precision
+            # logits in float32 (on CPU: a cast, then the float32 kernel)
+            torch.log_softmax(logits.float(), dim=-1, out=out[i: i + LPROB_BLOCK])
         return out
 
     def project_out(self, x: Tensor) -> Tensor:
         """Logits (rows, V') of final features x: (rows, C); V' >= vocab, the columns past
-        the vocabulary -inf."""
+        the vocabulary -inf.  In float32 under --bf16 (models/precision.py)."""
+        with precision.float32_region(x.device.type):
+            return self._project_out(x.float() if x.dtype == torch.bfloat16 else x)
+
+    def _project_out(self, x: Tensor) -> Tensor:
         if self._padded_proj is not None and self._padded_proj.usable():
             return self._padded_proj(x)
         if self._out_t is not None:

@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from fairseq import search
-from fairseq.sequence_generator import SequenceGenerator, SequenceGeneratorWithAlignment
+from fairseq.sequence_generator import SequenceGenerator
 
 from ..config import FastGenConfig
 from ..run_config import current
-from ..models import gemm_kernel
+from ..models import gemm_kernel, precision
 from ..models.fast_decoder import FastDecoder
 from ..models.support import unsupported_reason
 from .aggressive import AggressiveDecoding, Tunables, unsupported as aggressive_unsupported
@@ -96,6 +96,16 @@ class FastSequenceGenerator(SequenceGenerator):
 
     def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens=None,
                   constraints=None, bos_token=None):
+        device = next(self.model.parameters()).device
+        with precision.region(self.fastgen.enabled and self.fastgen.bf16, device):
+            return self._generate_any(sample, prefix_tokens, constraints, bos_token)
+
+    def bf16(self) -> bool:
+        """Whether the steps run their GEMMs in bfloat16 (models/precision.py)."""
+        device = next(self.model.parameters()).device
+        return self.fastgen.enabled and self.fastgen.bf16 and precision.supported(device)
+
+    def _generate_any(self, sample, prefix_tokens, constraints, bos_token):
         reason = self._fallback_reason
         if reason is None and constraints is not None:
             reason = "lexical constraints"
@@ -156,14 +166,16 @@ class FastSequenceGenerator(SequenceGenerator):
     def _decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:
             cfg = self.fastgen
+            fp32 = not self.bf16()  # the C++ step, oneDNN and MKL packs are fp32 machinery
             self._fast_decoders = [
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
-                            packed_gemm_mb=cfg.packed_gemm_mb, native=cfg.native_step,
+                            packed_gemm_mb=cfg.packed_gemm_mb if fp32 else 0,
+                            native=cfg.native_step and fp32,
                             ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse,
                             fused_cross=cfg.fused_cross_attention,
                             # auto: oneDNN only under continuous batching's margin guard
-                            gemm="mkl" if cfg.gemm == "auto" else cfg.gemm)
+                            gemm="mkl" if cfg.gemm == "auto" or not fp32 else cfg.gemm)
                 for m in self.model.models
             ]
         return self._fast_decoders
@@ -386,15 +398,3 @@ class FastSequenceGenerator(SequenceGenerator):
         if avg_attn is not None:
             avg_attn.div_(len(decoders))
         return avg_probs, avg_attn, finite
-
-
-class FastSequenceGeneratorWithAlignment(SequenceGeneratorWithAlignment, FastSequenceGenerator):
-    """``--print-alignment``: fairseq's alignment extraction over the fast beam search."""
-
-    def __init__(self, models, tgt_dict, left_pad_target=False, print_alignment="hard",
-                 fastgen: Optional[FastGenConfig] = None, **kwargs):
-        # SequenceGeneratorWithAlignment.__init__ forwards **kwargs to the next __init__ in
-        # the MRO, FastSequenceGenerator's, which then keeps the attention weights.
-        super().__init__(models, tgt_dict, left_pad_target=left_pad_target,
-                         print_alignment=print_alignment, fastgen=fastgen, need_attn=True,
-                         **kwargs)

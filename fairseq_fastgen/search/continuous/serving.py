@@ -46,6 +46,8 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
         return "bitwise mode keeps stock's batches and GEMM shapes"
     if generator._fallback_reason is not None:
         return generator._fallback_reason
+    if generator.bf16():
+        return "--bf16 runs the batch-at-a-time step (the engine's C++ step is fp32)"
     if getattr(generator, "_sampling", False):
         return "sampling draws stock's random numbers over stock's batches"
     if generator.need_attn:
