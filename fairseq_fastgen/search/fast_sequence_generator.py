@@ -10,9 +10,8 @@ the step bookkeeping skips work nobody reads; stock's per-step masks come from
 batch.  ``--sampling`` runs the same loop with fairseq's own ``Sampling.step`` over
 stock's rows (a batch shrinks as stock's does), so a seed draws stock's numbers: bitwise
 mode gives stock's bytes, lossless mode stock's tokens unless a draw falls within a
-rounding of a boundary.  Anything the fast path does not cover
-(diverse/constrained search, LM fusion, non-transformer decoders, ...) runs
-fairseq's own loop, after one log line saying why.
+rounding of a boundary.  Anything the fast path does not cover (diverse/constrained
+search, LM fusion, non-transformer decoders, ...) runs fairseq's loop after one log line.
 """
 import logging
 import math
@@ -96,21 +95,19 @@ class FastSequenceGenerator(SequenceGenerator):
 
     def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens=None,
                   constraints=None, bos_token=None):
-        device = next(self.model.parameters()).device
-        with precision.region(self.fastgen.enabled and self.fastgen.bf16, device):
+        dev = next(self.model.parameters()).device
+        with precision.region(self.fastgen.enabled and self.fastgen.bf16, dev):  # else fp32
             return self._generate_any(sample, prefix_tokens, constraints, bos_token)
 
     def bf16(self) -> bool:
         """Whether the steps run their GEMMs in bfloat16 (models/precision.py)."""
-        device = next(self.model.parameters()).device
-        return self.fastgen.enabled and self.fastgen.bf16 and precision.supported(device)
+        dev = next(self.model.parameters()).device
+        return self.fastgen.enabled and self.fastgen.bf16 and precision.supported(dev)
 
     def _generate_any(self, sample, prefix_tokens, constraints, bos_token):
         reason = self._fallback_reason
-        if reason is None and constraints is not None:
-            reason = "lexical constraints"
-        if reason is None and "src_tokens" not in sample["net_input"]:
-            reason = "non-text source"
+        if reason is None and (constraints is not None or "src_tokens" not in sample["net_input"]):
+            reason = "lexical constraints" if constraints is not None else "non-text source"
         if reason is not None:
             if self.fastgen.log_fallbacks:
                 _log_once(f"fairseq-fastgen: stock generator loop ({reason})")
@@ -166,7 +163,8 @@ class FastSequenceGenerator(SequenceGenerator):
     def _decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:
             cfg = self.fastgen
-            fp32 = not self.bf16()  # the C++ step, oneDNN and MKL packs are fp32 machinery
+            # the C++ step, oneDNN and MKL packs: fp32 only (tests/test_half_precision.py)
+            fp32 = not self.bf16() and next(self.model.parameters()).dtype == torch.float32
             self._fast_decoders = [
                 FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
                             bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
@@ -219,7 +217,8 @@ class FastSequenceGenerator(SequenceGenerator):
         # stock's draws); else the same candidates without a top-k over every
         # (hypothesis, word) pair, or stock's draws with their boundary draws counted
         near = [0]  # boundary draws of the batch (a device tensor once counted)
-        if self.fastgen.bitwise:
+        # half-precision logits tie often: stock's top-k, whose order among ties is stock's
+        if self.fastgen.bitwise or next(self.model.parameters()).dtype != torch.float32:
             select = self.search.step
         elif self._sampling:
             def select(step, lp, sc, *_):
