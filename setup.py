@@ -37,6 +37,7 @@ setup(
         "sacrebleu",
         "sacremoses",
         "tqdm",
+        "ninja",  # torch.utils.cpp_extension builds the C++ decoder step with it
     ],
     extras_require={
         # the CuPy n-gram kernel: pick the build matching the CUDA driver (nvidia-smi's

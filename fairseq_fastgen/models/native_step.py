@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -96,6 +97,14 @@ def _import_or_build():
             tmp.write_bytes(text)
             os.replace(tmp, copy)  # atomic: concurrent builders see a whole file
         copies.append(str(copy))
+    # ninja is a declared requirement whose binary lies beside this Python (a venv's bin/,
+    # not always on PATH when the venv's python is run directly)
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
+    logger.warning("fairseq-fastgen: compiling the C++ decoder step once for this torch, "
+                   "source and CPU (about 30-60 s with g++; `make install` or `python -m "
+                   "fairseq_fastgen build-native` does it ahead), cached in %s", build_dir)
     return cpp_extension.load(name=name, sources=copies, build_directory=str(build_dir),
                               extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
 
