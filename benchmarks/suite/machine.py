@@ -59,7 +59,7 @@ def gemm_throughput(dims: Dict[str, int], device: str, dtype_name: str, threads:
     import torch
 
     torch.set_num_threads(threads)
-    dtype = dict(fp32=torch.float32, fp16=torch.float16)[dtype_name]
+    dtype = dict(fp32=torch.float32, fp16=torch.float16, bf16=torch.bfloat16)[dtype_name]
     d, f, v = dims["d"], dims["ffn"], dims["vocab"]
     out = {}
     for k, n, name in ((d, d, "d x d (attention projections)"), (d, f, "d x ffn (FFN in)"),
