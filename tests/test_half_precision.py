@@ -57,6 +57,27 @@ def test_fp16_bundled_within_stocks_own_noise_and_bitwise_identical():
     assert compare_outputs(stock, bitwise).identical
 
 
+def test_fp16_interactive():
+    b = bundled("es-en")
+    lines = "".join(l + "\n" for l in (
+        "Y dijo Dios: Sea la luz: y fué la luz.", "EN el principio crió Dios los cielos y la tierra.",
+        "Jesús lloró.", "Y vió Dios que la luz era buena: y apartó Dios la luz de las tinieblas.",
+        "Y llamó Dios á la luz Día, y á las tinieblas llamó Noche.", "Bienaventurados los pobres."))
+    args = [str(b.data), "--path", str(b.path), "--source-lang", "es", "--target-lang", "en",
+            "--bpe", "sentencepiece", "--sentencepiece-model", str(b.data.parent / "spm.model"),
+            "--beam", "5", "--fp16"]
+
+    def interactive(plugin, size):
+        r = run_generate(args + ["--buffer-size", str(size), "--batch-size", str(size)], plugin,
+                         entry="fairseq-interactive", stdin=lines)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    _assert_within_noise(interactive(False, 4), [interactive(False, 1)], interactive(True, 4),
+                         bleu_slack=0)
+    assert len(best_hypotheses(interactive(True, 4))) == 6
+
+
 @pytest.mark.parametrize("which,opts,plugin_args", [
     ("preln", ["--beam", "5"], []),
     ("bart", ["--beam", "4", "--nbest", "2"], []),
