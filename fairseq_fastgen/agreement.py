@@ -8,7 +8,7 @@ stays within stock's.  :func:`agreement` counts that from two outputs.
 """
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 _HYPO = re.compile(r"^H-(\d+)\t[^\t]*\t(.*)$", re.M)
 _BLEU = re.compile(r"BLEU4? = ([\d.]+)")
@@ -50,3 +50,16 @@ def agreement(a: str, b: str) -> Agreement:
     both = ha.keys() & hb.keys()
     return Agreement(sentences=len(both), same=sum(ha[i] == hb[i] for i in both),
                      only_one=len(ha.keys() ^ hb.keys()), bleu_a=bleu(a), bleu_b=bleu(b))
+
+
+def unexplained(reference: str, plugin: str, floors: Sequence[str]) -> List[int]:
+    """The half-precision contract's failures: [] when ``plugin`` agrees with ``reference``
+    at least as often as the least agreeing of ``floors`` (the reference's runs at other
+    batch sizes) does; else the sentences whose plugin hypothesis is neither the
+    reference's nor one a floor gives (the noise floor explains the others)."""
+    ref, got = best_hypotheses(reference), best_hypotheses(plugin)
+    seen = [best_hypotheses(f) for f in floors]
+    same = sum(ref[i] == got.get(i) for i in ref)
+    if floors and same >= min(agreement(reference, f).same for f in floors):
+        return []
+    return [i for i in ref if ref[i] != got.get(i) and all(s.get(i) != got.get(i) for s in seen)]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .agreement import agreement
+from .agreement import agreement, unexplained
 from .rescore import lazy_rescorer
 
 PLUGIN_DIR = str(Path(__file__).resolve().parent)
@@ -338,6 +338,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         floor = agreement(res.stock[0].stdout, other.stdout)
         print(f"  noise floor: stock at batch size {opts.floor_batch_size}:",
               floor.summary("stock", "stock"))
+        beyond = unexplained(res.stock[0].stdout, res.plugin[0].stdout, [other.stdout])
+        print(f"  beyond the noise floor: {len(beyond)} sentence(s) {beyond[:20]}")
     r = res.ratios()
     print("  " + ", ".join(f"{k}={v:.3f}" for k, v in r.items()))
     if opts.json:
@@ -346,7 +348,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                "near_ties": c.near_ties, "agree": agree.same,
                                                "agree_of": agree.sentences, **r}, indent=2))
     if floor is not None:
-        return 0 if agree.same >= floor.same and not agree.only_one else 1
+        return 0 if not beyond and not agree.only_one else 1
     return 0 if c.lossless else 1
 
 
