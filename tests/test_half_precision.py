@@ -159,3 +159,21 @@ def test_unexplained_differences_are_those_no_floor_gives():
     assert unexplained(ref, plugin, [floor]) == [2]  # stock at the floor gives x, never y
     assert unexplained(ref, plugin, [floor, "H-0\t-1\tq\nH-1\t-1\tq\nH-2\t-1\tq\n"]) == []
     assert unexplained(ref, ref, [floor]) == []
+
+
+@pytest.mark.parametrize("bf16_flag", [False, True], ids=["model-only", "model-and-flag"])
+def test_a_bfloat16_model_agrees_with_stock_on_it(tiny, bf16_flag):
+    """A model already in bfloat16 (fairseq-train --bf16 --eval-bleu, a hub user's
+    model.bfloat16()): the plugin's best hypotheses are stock's on the same model at least
+    as often as stock's own at another batch size."""
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    for m in models:
+        m.bfloat16()
+    stock, fast = generators(task, models, FastGenConfig(bf16=bf16_flag), beam=4, max_len_b=20)
+
+    def best(gen, size):
+        return [h[0]["tokens"] for b in batches(task, cfg, size) for h in gen.generate(models, b)]
+
+    ref, other, ours = best(stock, 8), best(stock, 3), best(fast, 8)
+    agree = lambda xs: sum(torch.equal(a, b) for a, b in zip(ref, xs))  # noqa: E731
+    assert len(ours) == len(ref) > 0 and agree(ours) >= agree(other)

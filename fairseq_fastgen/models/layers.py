@@ -309,8 +309,8 @@ class DecoderStack:
     def project_out(self, x: Tensor) -> Tensor:
         """Logits (rows, V') of final features x: (rows, C); V' >= vocab, the columns past
         the vocabulary -inf.  In float32 under --bf16 (models/precision.py)."""
-        with precision.float32_region(x.device.type):
-            return self._project_out(x.float() if x.dtype == torch.bfloat16 else x)
+        with precision.float32_region(x.device.type):  # the weights' own precision
+            return self._project_out(x.to(self.device_dtype()[1]))
 
     def _project_out(self, x: Tensor) -> Tensor:
         if self._padded_proj is not None and self._padded_proj.usable():

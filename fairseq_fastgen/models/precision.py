@@ -55,6 +55,13 @@ def region(bf16: bool, device: torch.device):
                            "(AVX512-BF16 / AMX on CPU, Ampere or newer on CUDA); "
                            "generating in fp32", device.type.upper())
         return contextlib.nullcontext()
+    if device.type == "cpu" and not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() \
+            and "cpu-no-amx" not in _said:
+        _said.add("cpu-no-amx")
+        # measured: an Intel Xeon with AVX512-BF16 but no AMX, oneDNN bf16 at 0.5-0.6x the
+        # fp32 GEMM rate (benchmarks/results/half_precision_xeon.md)
+        logger.info("fairseq-fastgen: --bf16 on a CPU without AMX: its bfloat16 GEMMs "
+                    "(AVX512-BF16) may run slower than fp32's")
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
