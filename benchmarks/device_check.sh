@@ -17,7 +17,7 @@
 #              bf16), the kernel source through nvcc, the blocker's CPU properties
 #   generator  benchmarks/device/generator_check.py: FastSequenceGenerator vs stock in one
 #              process on --device, fp32 (lossless, bitwise) and fp16/bf16, bundled models
-#   real_sizes python benchmarks/real_sizes.py --device D --repeats 1 (fp32 + fp16 on cuda;
+#   real_sizes python benchmarks/real_sizes.py --device D --repeats 1 (fp32, fp16, bf16 on cuda;
 #              the dry run: --tiny, the bart_large cell); skipped with a logged line where that script
 #              does not exist
 #   suite      python benchmarks/suite --quick --device D --no-ct2 --no-scaling (fp32 + fp16
@@ -78,7 +78,7 @@ else
     CAP_INSTALL=60 CAP_PYTEST=100 CAP_GENERATOR=130 CAP_REAL=300 CAP_SUITE=200
     TINY_FLAG=() SUITE_FLAGS=() PRECISIONS=(fp32) SUITE=(benchmarks/suite)
     REAL_FLAGS=(--repeats 1)  # every cell once: the budget holds no second round
-    [ "$DEVICE" = cuda ] && PRECISIONS=(fp32 fp16)
+    [ "$DEVICE" = cuda ] && PRECISIONS=(fp32 fp16 bf16)
 fi
 
 log() { echo "device_check: $*" | tee -a "$LOG"; }
