@@ -6,6 +6,8 @@ kernel and its bound on rows in flight from the generator's config, once per eng
 """
 from typing import Optional
 
+import torch
+
 # --fastgen-continuous-rows 0 on CPU: rows in flight at most.  Measured (Xeon, es->en,
 # beam 5, docs/continuous-batching.md): 16-32 sentences beat 64, 1 and 2 threads alike;
 # a step's (rows, vocab) logits then stay in the core's cache.  With oneDNN's GEMMs
@@ -46,8 +48,10 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
         return "bitwise mode keeps stock's batches and GEMM shapes"
     if generator._fallback_reason is not None:
         return generator._fallback_reason
-    if generator.bf16():
-        return "--bf16 runs the batch-at-a-time step (the engine's C++ step is fp32)"
+    if generator.bf16() or next(generator.model.parameters()).dtype != torch.float32:
+        # the engine's candidates order exact ties otherwise than stock's top-k, and half
+        # precision ties often (docs/lossless.md, "Half precision")
+        return "half precision (--fp16 / --bf16) runs the batch-at-a-time step"
     if getattr(generator, "_sampling", False):
         return "sampling draws stock's random numbers over stock's batches"
     if generator.need_attn:
