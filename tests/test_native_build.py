@@ -19,7 +19,8 @@ def test_the_default_cpu_step_is_built_unless_the_python_step_was_asked_for():
 
 def _build_native(tmp_path, **env):
     e = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/bin/false", **env}
-    e.pop(ALLOW_PYTHON_STEP, None) if ALLOW_PYTHON_STEP not in env else None
+    if ALLOW_PYTHON_STEP not in env:
+        e.pop(ALLOW_PYTHON_STEP, None)
     return subprocess.run([sys.executable, "-m", "fairseq_fastgen", "build-native"], env=e,
                           capture_output=True, text=True, timeout=300)
 
