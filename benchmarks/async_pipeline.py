@@ -2,7 +2,7 @@
 """End-to-end wall time of fairseq-generate with the asynchronous pipeline on vs off.
 
 All sides load the plugin with the same generator flags (other optimizations equal): off
-is ``--fastgen-no-pipeline`` (fairseq's loop), on is the pipeline with decoding in the main
+is ``--fastgen-disable pipeline`` (fairseq's loop), on is the pipeline with decoding in the main
 process (``--fastgen-decode-workers 1``), on+dw the default (batches also decoded side by
 side in worker processes).  Setting: the bundled es->en model, beam 5,
 SentencePiece removal plus Moses detokenization (``--post-process sentencepiece
@@ -52,9 +52,9 @@ def measure(batch, args, plugin_args, workers, repeats, threads):
     from fairseq_fastgen.compare import compare_outputs
 
     sides = {
-        "off": plugin_args + ["--fastgen-no-pipeline"],
+        "off": plugin_args + ["--fastgen-disable", "pipeline"],
         "on": plugin_args + ["--fastgen-decode-workers", "1"]
-        + (["--fastgen-pipeline-workers", str(workers)] if workers else []),
+        + (["--fastgen-tune", f"pipeline_workers={workers}"] if workers else []),
         "on+dw": list(plugin_args),
     }
     runs = {k: [] for k in SIDES}
@@ -96,7 +96,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None,
                     help="OMP/MKL threads of each run (default: torch's default)")
-    ap.add_argument("--workers", type=int, default=0, help="--fastgen-pipeline-workers (0: auto)")
+    ap.add_argument("--workers", type=int, default=0, help="--fastgen-tune pipeline_workers (0: auto)")
     ap.add_argument("--tokenizer", default="moses", help="detokenizer on top of SentencePiece ('' for none)")
     ap.add_argument("--plugin-args", default="", help="extra plugin flags for both sides, e.g. --fastgen-bitwise")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -135,7 +135,7 @@ def write_results(a, argv, rows, t0):
         "on = pipeline with decoding in the main process (`--fastgen-decode-workers 1`): the "
         "postprocessing overlap alone, byte-identical to the loop; on+dw = the default, batches "
         "also decoded side by side in worker processes (another thread count per GEMM: lossless, "
-        "not byte-identical); off = fairseq's loop (`--fastgen-no-pipeline`), same generator.",
+        "not byte-identical); off = fairseq's loop (`--fastgen-disable pipeline`), same generator.",
         "",
         "| batch | sentences | wall off (s) | wall on (s) | ratio off/on | byte-identical "
         "| wall on+dw (s) | ratio off/on+dw | lossless | generation off/on/on+dw (s) "

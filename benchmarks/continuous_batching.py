@@ -25,7 +25,7 @@ from fairseq_fastgen.compare import compare_outputs, run_generate  # noqa: E402
 
 BUNDLE = ROOT / "examples" / "bible" / "bundle" / "es-en"
 ONE = ["--fastgen-decode-workers", "1"]
-WHOLE = ["--fastgen-continuous-rows", "100000"]  # no bound below the largest batch
+WHOLE = ["--fastgen-tune", "continuous_rows=100000"]  # no bound below the largest batch
 SYSTEMS = {
     "stock": None,
     "one process, continuous off": ONE + ["--fastgen-continuous", "off"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""GEMM kernel ablation: stock vs fastgen with ``--fastgen-gemm mkl`` (stock's kernel),
+"""GEMM kernel ablation: stock vs fastgen with ``--fastgen-tune gemm=mkl`` (stock's kernel),
 ``auto`` (the default: oneDNN for continuous batching where it measures faster, under the
 margin guard, which decodes a sentence with a near-tie again on MKL) and ``onednn`` with
 the guard off (what the guard costs), in one process and in decoding workers.
@@ -19,14 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from continuous_batching import ONE, main  # noqa: E402
 
-AUTO = ["--fastgen-gemm", "auto"]
-UNGUARDED = ["--fastgen-gemm", "onednn", "--fastgen-margin-guard", "0"]
+AUTO = ["--fastgen-tune", "gemm=auto"]
+UNGUARDED = ["--fastgen-tune", "gemm=onednn", "--fastgen-tune", "margin_guard=0"]
 SYSTEMS = {
     "stock": None,
-    "one process, gemm mkl": ONE + ["--fastgen-gemm", "mkl"],
+    "one process, gemm mkl": ONE + ["--fastgen-tune", "gemm=mkl"],
     "one process, gemm auto": ONE + AUTO,
     "one process, onednn unguarded": ONE + UNGUARDED,
-    "workers, gemm mkl": ["--fastgen-gemm", "mkl"],
+    "workers, gemm mkl": ["--fastgen-tune", "gemm=mkl"],
     "workers, gemm auto": AUTO,
 }
 

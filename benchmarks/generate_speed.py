@@ -25,9 +25,9 @@ BUNDLE = ROOT / "examples" / "bible" / "bundle"
 ABLATIONS = {
     "all on (lossless)": [],
     "bitwise": ["--fastgen-bitwise"],
-    "no shared encoder": ["--fastgen-no-shared-encoder"],
-    "no kv cache": ["--fastgen-no-kv-cache"],
-    "no fast decoder": ["--fastgen-no-fast-decoder"],
+    "no shared encoder": ["--fastgen-disable", "shared_encoder"],
+    "no kv cache": ["--fastgen-disable", "kv_cache"],
+    "no fast decoder": ["--fastgen-disable", "fast_decoder"],
 }
 
 

@@ -2,7 +2,7 @@
 """How much of fairseq's generate loop is postprocessing: the bound on what overlapping it
 can gain.
 
-Samples the main thread of ``fairseq-generate --fastgen-no-pipeline`` (fairseq's own loop
+Samples the main thread of ``fairseq-generate --fastgen-disable pipeline`` (fairseq's own loop
 with the plugin's generator; the setting of benchmarks/async_pipeline.py: es->en, beam 5,
 SentencePiece removal plus Moses detokenization, sacrebleu) with py-spy
 (``pip install py-spy``), and splits its time into generation, postprocessing and the
@@ -78,7 +78,7 @@ def main():
     if not Path(spy).exists():
         sys.exit("py-spy not found: pip install py-spy")
     cmd, env = generate_command(gen_args(a.batch, a.beam, a.subset, "moses"), plugin=True,
-                                plugin_args=["--fastgen-no-pipeline"])
+                                plugin_args=["--fastgen-disable", "pipeline"])
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "samples.raw"
         subprocess.run([spy, "record", "-r", str(RATE), "-f", "raw", "-o", str(raw), "--", *cmd],
@@ -92,7 +92,7 @@ def main():
                 seconds[cat] += int(n) / RATE
     total = sum(seconds.values())
     post = sum(v for k, v in seconds.items() if k.startswith("postprocess"))
-    lines = [f"fairseq's loop (--fastgen-no-pipeline), es->en beam {a.beam} batch {a.batch}, "
+    lines = [f"fairseq's loop (--fastgen-disable pipeline), es->en beam {a.beam} batch {a.batch}, "
              f"{a.subset}, sentencepiece + moses; main thread, py-spy {RATE} Hz "
              f"(`python benchmarks/loop_profile.py --batch {a.batch} --subset {a.subset}`)", ""]
     lines += [f"{k:38s} {v:6.2f} s {100 * v / total:5.1f}%" for k, v in seconds.most_common()]

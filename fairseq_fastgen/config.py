@@ -4,8 +4,9 @@ The same field names are reachable three ways:
 
 * CLI: ``--fastgen-<name>`` on ``fairseq-generate`` / ``fairseq-interactive`` /
   ``fairseq-train`` / ``fairseq-eval-lm`` when ``--user-dir fairseq_fastgen`` is given
-  (``--fastgen-bitwise``, ``--fastgen-no-shared-encoder`` ... booleans that default to
-  True are switched off with ``--fastgen-no-<name>``; ``--fastgen-off`` for ``enabled``);
+  (``--fastgen-bitwise``, ``--fastgen-off`` for ``enabled``) for the user fields; the
+  fields marked ``developer`` (ablations and their knobs) through ``--fastgen-disable`` and
+  ``--fastgen-tune`` (:mod:`fairseq_fastgen.developer_options`);
 * Hydra/OmegaConf: a top-level ``fastgen`` node, e.g. ``+fastgen.bitwise=true``;
 * Python: ``fairseq_fastgen.configure(bitwise=True)`` or
   ``FastSequenceGenerator(..., fastgen=FastGenConfig(bitwise=True))``.
@@ -50,22 +51,22 @@ class FastGenConfig:
             "lossless mode, which reorders some reductions: scores agree to ~1e-6)"
         },
     )
-    shared_encoder: bool = field(default=True, metadata={"help": (
+    shared_encoder: bool = field(default=True, metadata={"developer": True, "help": (
         "beam-shared encoder states: encoder output and encoder-decoder "
         "keys/values kept once per sentence, never replicated per beam nor reordered")})
-    kv_cache: bool = field(default=True, metadata={"help": (
+    kv_cache: bool = field(default=True, metadata={"developer": True, "help": (
         "preallocated self-attention key/value cache written and reordered "
         "in place (no torch.cat or allocation per step)")})
-    kv_reuse: bool = field(default=True, metadata={"help": (
+    kv_reuse: bool = field(default=True, metadata={"developer": True, "help": (
         "with kv_cache: a batch's caches take over the last batch's buffers when large "
         "enough (no fresh pages to fault in); keeps that memory between batches")})
-    fast_decoder: bool = field(default=True, metadata={"help": (
+    fast_decoder: bool = field(default=True, metadata={"developer": True, "help": (
         "drive fairseq's TransformerDecoder layers with a lean incremental step "
         "(fused q/k/v projection, no per-step dict state); needed by shared_encoder "
         "and kv_cache")})
     vocab_pad: bool = field(
         default=True,
-        metadata={
+        metadata={"developer": True,
             "help": "output projection through a copy of its weight padded to a multiple "
             "of 64 words (a vocabulary like 6,003 runs the GEMM at half speed); costs one "
             "output embedding of memory; lossless mode only (not used when bitwise)"
@@ -73,7 +74,7 @@ class FastGenConfig:
     )
     packed_gemm_mb: int = field(
         default=256,
-        metadata={
+        metadata={"developer": True,
             "help": "MiB per decoder (per process) of MKL packed copies of the decoder's "
             "projection weights, one copy per row count a step uses often (CPU, fp32, "
             "lossless mode; 1.1-1.3x faster GEMMs at few rows); 0 switches it off; a model "
@@ -82,7 +83,7 @@ class FastGenConfig:
     )
     gemm: str = field(
         default="auto",
-        metadata={
+        metadata={"developer": True,
             "help": "the fp32 GEMM kernel of the decoder projections, encoder linears and "
             "encoder-decoder keys/values on CPU (lossless mode): mkl (torch's addmm, "
             "stock's), onednn (1.2-2.4x faster on AMD EPYC, where MKL runs its AVX2 path; "
@@ -94,7 +95,7 @@ class FastGenConfig:
     )
     margin_guard: float = field(
         default=1e-4,
-        metadata={
+        metadata={"developer": True,
             "help": "continuous batching on oneDNN: a sentence whose beam search compared "
             "two candidates (or final hypotheses) of scores s closer than this many nats "
             "times (1 + |s| / 25) is decoded again on MKL, so that oneDNN's other rounding "
@@ -102,28 +103,28 @@ class FastGenConfig:
             "output may then differ from stock's at near-ties)",
         },
     )
-    native_step: bool = field(default=True, metadata={"help": (
+    native_step: bool = field(default=True, metadata={"developer": True, "help": (
         "decoder layers of a step from a C++ extension (compiled once by torch, cached): "
         "the Python step's operations, less dispatch; CPU, lossless mode")})
-    ancestor_kv: bool = field(default=True, metadata={"help": (
+    ancestor_kv: bool = field(default=True, metadata={"developer": True, "help": (
         "with native_step: self-attention caches never reordered, read through a table "
         "of each hypothesis's ancestor rows; lossless mode, CPU fp32")})
-    fused_cross_attention: bool = field(default=True, metadata={"help": (
+    fused_cross_attention: bool = field(default=True, metadata={"developer": True, "help": (
         "with native_step: encoder-decoder attention in one C++ pass over each sentence's "
         "keys/values (no reshape copies); lossless mode, CPU fp32")})
-    native_candidates: bool = field(default=True, metadata={"help": (
+    native_candidates: bool = field(default=True, metadata={"developer": True, "help": (
         "beam candidates from one C++ pass over the log-probabilities (the C++ extension "
         "of native_step); lossless mode, CPU fp32")})
     attention: bool = field(
         default=False,
-        metadata={
+        metadata={"developer": True,
             "help": "always keep per-hypothesis cross-attention weights (hypo['attention']); "
             "by default they are computed only when alignments are printed"
         },
     )
     ngram_blocker: str = field(
         default="auto",
-        metadata={
+        metadata={"developer": True,
             "help": "repeated n-gram blocker: auto (CuPy kernel on CUDA when available, "
             "else vectorized torch), torch, cupy, or stock (fairseq's own)",
             "choices": NGRAM_BLOCKERS,
@@ -138,7 +139,7 @@ class FastGenConfig:
     )
     pipeline: bool = field(
         default=True,
-        metadata={
+        metadata={"developer": True,
             "help": "fairseq-generate: asynchronous pipeline (decode in the main process, "
             "turn hypotheses into text in worker processes, write in batch order); the "
             "output is byte-identical to fairseq's loop with the same generator"
@@ -146,7 +147,7 @@ class FastGenConfig:
     )
     pipeline_workers: int = field(
         default=0,
-        metadata={
+        metadata={"developer": True,
             "help": "postprocessing worker processes of the generate pipeline; 0: auto "
             "(the cores decoding leaves free, 1 to 4; 1 on a 2-core machine)"
         },
@@ -176,12 +177,12 @@ class FastGenConfig:
     )
     continuous_rows: int = field(
         default=0,
-        metadata={
+        metadata={"developer": True,
             "help": "continuous batching: decoder rows (sentences x beam) in flight at most; "
             "fewer sentences than --batch-size in flight changes no output. 0: auto (on "
             "CPU 128 rows, where a step's logits stay in cache: measured faster than whole "
             "batches of 64 x beam 5, docs/continuous-batching.md; 256 with oneDNN GEMMs "
-            "(--fastgen-gemm); on CUDA no bound below the largest batch)",
+            "(--fastgen-tune gemm); on CUDA no bound below the largest batch)",
         },
     )
     keep_last_batch: bool = field(
@@ -194,7 +195,7 @@ class FastGenConfig:
     )
     log_fallbacks: bool = field(
         default=True,
-        metadata={"help": "log one line whenever an option falls back to stock code"},
+        metadata={"developer": True, "help": "log one line whenever an option falls back to stock code"},
     )
     aggressive: str = field(
         default="off",
@@ -216,7 +217,7 @@ class FastGenConfig:
     )
     sampling: bool = field(
         default=True,
-        metadata={
+        metadata={"developer": True,
             "help": "serve --sampling (top-k, top-p, temperature) on the fast decoder, "
             "drawing with fairseq's own Sampling search in stock's batch layout, so the "
             "same seed draws the same numbers; false: fairseq's loop"
@@ -267,14 +268,19 @@ class FastGenConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], base: Optional["FastGenConfig"] = None):
         """Build from a dict-like (Hydra node, kwargs), rejecting unknown keys."""
+        from .developer_options import expand  # it reads this module's fields
+
         known = {f.name: f for f in fields(cls)}
         merged = (base or cls()).to_dict()
+        values = dict(values)
+        values.update(expand(values.pop("disable", None), values.pop("tune", None)))
         for key, value in values.items():
             if key.startswith("_"):
                 continue  # Hydra bookkeeping such as ``_name``
             if key not in known:
                 raise FastGenConfigError(
-                    f"unknown fastgen option {key!r}; known options: {', '.join(sorted(known))}"
+                    f"unknown fastgen option {key!r}; known options: "
+                    f"{', '.join(sorted([*known, 'disable', 'tune']))}"
                 )
             merged[key] = _coerce(known[key], value)
         return cls(**merged)

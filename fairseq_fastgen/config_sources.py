@@ -1,12 +1,14 @@
 """Reading fastgen options from the two surfaces fairseq parses: argparse and Hydra.
 
-``--fastgen-<name>`` flags on an argparse parser (one per :class:`FastGenConfig` field) and
+``--fastgen-<name>`` flags on an argparse parser (one per user field of :class:`FastGenConfig`,
+and the developer options ``--fastgen-disable`` / ``--fastgen-tune``) and
 a top-level ``fastgen`` node in a fairseq Hydra/OmegaConf tree. Which one a run uses is
 decided once per entry point by :mod:`fairseq_fastgen.run_config`.
 """
 from dataclasses import fields
 from typing import Any, Dict, Optional
 
+from . import developer_options
 from .config import FastGenConfig, active
 
 
@@ -20,8 +22,8 @@ def add_args(parser) -> None:
         return
     group = parser.add_argument_group("fairseq-fastgen")
     for f in fields(FastGenConfig):
-        if "fairseq_flag" in f.metadata:
-            continue  # fairseq's own flag (e.g. --bf16) sets it: see namespace_values
+        if "fairseq_flag" in f.metadata or f.metadata.get("developer"):
+            continue  # fairseq's own flag (--bf16) or a developer option below sets it
         dest = "fastgen_" + f.name
         help_ = f.metadata.get("help", "")
         if f.type in (bool, "bool"):
@@ -40,6 +42,14 @@ def add_args(parser) -> None:
                 choices=f.metadata.get("choices"), help=help_,
                 type=int if f.type in (int, "int") else None,
             )
+    group.add_argument(
+        "--fastgen-disable", dest="fastgen_disable", action="append", metavar="NAME[,NAME]",
+        help="developer option (ablations, docs/developer-options.md): switch off these "
+        "optimizations: " + ", ".join(developer_options.disable_names()))
+    group.add_argument(
+        "--fastgen-tune", dest="fastgen_tune", action="append", metavar="KEY=VALUE[,...]",
+        help="developer option (docs/developer-options.md): set these knobs: "
+        + ", ".join(developer_options.developer_fields()))
 
 
 def from_namespace(args) -> Optional[FastGenConfig]:
@@ -54,6 +64,8 @@ def namespace_values(args) -> Dict[str, Any]:
     values = {f.name: getattr(args, "fastgen_" + f.name)
               for f in fields(FastGenConfig) if hasattr(args, "fastgen_" + f.name)}
     if values:
+        values.update(developer_options.expand(getattr(args, "fastgen_disable", None),
+                                               getattr(args, "fastgen_tune", None)))
         values.update(_fairseq_flags(lambda name: getattr(args, name, False)))
     return values
 

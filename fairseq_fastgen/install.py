@@ -258,7 +258,11 @@ def _wrap_parse(original):
     def parse_args_and_arch(*args, **kwargs):
         result = original(*args, **kwargs)
         parsed = result[0] if isinstance(result, tuple) else result
-        cfg = config_sources.from_namespace(parsed)
+        try:
+            cfg = config_sources.from_namespace(parsed)
+        except fg_config.FastGenConfigError as e:  # --fastgen-tune / --fastgen-disable items
+            parser = args[0] if args else kwargs["parser"]
+            parser.error(str(e))
         if cfg is not None and cfg != fg_config.active():
             fg_config.set_active(cfg)
             logger.info(cfg.describe())

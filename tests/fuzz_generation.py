@@ -216,7 +216,7 @@ def build_pair(case: Case, task, models):
             built.append(e)
     stock = built[0]
     n = case.gen.get("no_repeat_ngram_size", 0)
-    # the plugin switched off, or with --fastgen-ngram-blocker stock, is stock as shipped
+    # the plugin switched off, or with --fastgen-tune ngram_blocker=stock, is stock as shipped
     if not isinstance(stock, Exception) and n > 0 and fastgen.enabled and (
             fastgen.ngram_blocker != "stock"):
         stock.repeat_ngram_blocker = FixedStockBlocker(n)

@@ -1,7 +1,7 @@
 """The asynchronous fairseq-generate pipeline (fairseq_fastgen/tasks/generate.py and the
 modules it drives):
 byte-identical output against fairseq's own loop run in the same test (same generator,
-``--fastgen-no-pipeline``) and against stock fairseq-generate (``--fastgen-bitwise``),
+``--fastgen-disable pipeline``) and against stock fairseq-generate (``--fastgen-bitwise``),
 and clean failure when a postprocessing worker raises or dies."""
 import os
 import random
@@ -31,7 +31,7 @@ def _gen(args, plugin, plugin_args=(), env=None):
 
 
 def _pipeline(args, workers, bitwise=False, extra=()):
-    flags = ["--fastgen-pipeline-workers", str(workers), *extra]
+    flags = ["--fastgen-tune", f"pipeline_workers={workers}", *extra]
     if bitwise:
         flags.append("--fastgen-bitwise")
     r = _gen(args, plugin=True, plugin_args=flags)
@@ -41,8 +41,8 @@ def _pipeline(args, workers, bitwise=False, extra=()):
 
 def _loop(args, bitwise=False):
     r = _gen(args, plugin=True,
-             plugin_args=["--fastgen-no-pipeline"] + (["--fastgen-bitwise"] if bitwise else []))
-    assert "generate pipeline off: switched off (--fastgen-no-pipeline)" in r.stderr
+             plugin_args=["--fastgen-disable", "pipeline"] + (["--fastgen-bitwise"] if bitwise else []))
+    assert "generate pipeline off: switched off (--fastgen-disable pipeline)" in r.stderr
     return r
 
 
@@ -203,7 +203,7 @@ def test_worker_failure_stops_the_run(bpe_data, fault, message):
     base, codes, _ = bpe_data
     args = base + ["--beam", "2", "--batch-size", "2", "--bpe", "subword_nmt", "--bpe-codes", codes]
     t0 = time.perf_counter()
-    r = run_generate(args, plugin=True, plugin_args=["--fastgen-pipeline-workers", "2"],
+    r = run_generate(args, plugin=True, plugin_args=["--fastgen-tune", "pipeline_workers=2"],
                      env={FAULT_ENV: fault}, threads=THREADS)
     wall = time.perf_counter() - t0
     assert r.returncode != 0
@@ -227,7 +227,7 @@ def test_config_and_install():
 
     assert FastGenConfig().pipeline and FastGenConfig().pipeline_workers == 0
     parser = options.get_generation_parser()
-    args, _ = parser.parse_known_args(["--fastgen-no-pipeline", "--fastgen-pipeline-workers", "3"])
+    args, _ = parser.parse_known_args(["--fastgen-disable", "pipeline", "--fastgen-tune", "pipeline_workers=3"])
     cfg = config_sources.from_namespace(args)
     assert cfg.pipeline is False and cfg.pipeline_workers == 3
     assert FastGenConfig.from_mapping({"pipeline_workers": "2"}).pipeline_workers == 2

@@ -218,7 +218,7 @@ def test_hydra_only_pipeline_keys_in_generate(tiny, tmp_path, caplog):
             ids[name] = _generate(_hydra(_generate_cfg(
                 tiny.data, tiny.postln, tmp_path / name, *extra), **keys))
         ids[name + " log"] = caplog.text
-    assert "generate pipeline off: switched off (--fastgen-no-pipeline)" in ids["off log"]
+    assert "generate pipeline off: switched off (--fastgen-disable pipeline)" in ids["off log"]
     assert "generate pipeline: 2 postprocessing worker(s)" in ids["workers log"]
     assert "generate pipeline: 2 decoding worker(s)" in ids["decoders log"]
     assert sorted(ids["off"]) == sorted(ids["workers"]) == sorted(ids["decoders"])

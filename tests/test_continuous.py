@@ -198,7 +198,7 @@ def test_cli_auto_on_cpu_logs_why(tiny):
     from fairseq_fastgen.compare import run_generate
 
     r = run_generate([str(tiny.data), "--path", str(tiny.preln), "--beam", "2",
-                      "--fastgen-decode-workers", "1", "--fastgen-no-native-step"], plugin=True)
+                      "--fastgen-decode-workers", "1", "--fastgen-disable", "native_step"], plugin=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "continuous batching off: auto on CPU without the C++ slot step" in r.stderr
 

@@ -136,7 +136,7 @@ KEPT = [
     # divide, attended wrongly); check() now resets it before each example
     _kept("bart-beam1-after-beam5", Case(
         model="bart", sources=[[4, 5]], targets=[[]], gen=dict(beam=1), fastgen=dict(bitwise=True))),
-    # the harness: with the plugin off (or --fastgen-ngram-blocker stock) both sides are
+    # the harness: with the plugin off (or --fastgen-tune ngram_blocker=stock) both sides are
     # stock as shipped, #4709 included: stock keeps its own n-gram blocker then
     _kept("ngram-plugin-off", Case(
         model="postln", sources=[[4, 4, 4, 4], [0] * 10], targets=[[], []],

@@ -1,4 +1,4 @@
-"""oneDNN's GEMM for the decoder projections (models/gemm_kernel.py, --fastgen-gemm).
+"""oneDNN's GEMM for the decoder projections (models/gemm_kernel.py, --fastgen-tune gemm).
 
 Forced on (``gemm="onednn"``) so that every machine tests it, whatever ``auto`` would
 pick there; against stock fairseq in the same test, lossless."""
@@ -136,7 +136,7 @@ def test_cli_flag_and_log_line(tiny):
     from fairseq_fastgen.compare import side_by_side
 
     args = [str(tiny.data), "--path", str(tiny.preln), "--beam", "4", "--batch-size", "6"]
-    res = side_by_side(args, plugin_args=["--fastgen-gemm", "onednn",
+    res = side_by_side(args, plugin_args=["--fastgen-tune", "gemm=onednn",
                                           "--fastgen-decode-workers", "1"])
     assert res.comparison.lossless, res.comparison.differences[:5]
     assert "gemm=onednn" in res.plugin[0].stderr

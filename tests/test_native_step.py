@@ -214,9 +214,9 @@ def test_switch_on_the_command_line_and_in_the_log_line(tiny):
     before = fg_config.active()
     try:
         options.parse_args_and_arch(options.get_generation_parser(),
-                                    [str(tiny.data), "--fastgen-no-native-step",
-                                     "--fastgen-no-native-candidates", "--fastgen-no-kv-reuse",
-                                     "--fastgen-no-fused-cross-attention"])
+                                    [str(tiny.data), "--fastgen-disable", "native_step",
+                                     "--fastgen-disable", "native_candidates", "--fastgen-disable", "kv_reuse",
+                                     "--fastgen-disable", "fused_cross_attention"])
         active = fg_config.active()
         assert not (active.native_step or active.native_candidates or active.kv_reuse
                     or active.fused_cross_attention)

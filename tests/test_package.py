@@ -40,8 +40,8 @@ def test_flags_on_fairseq_parsers():
                  options.get_training_parser):
         parser = make()
         dests = {a.dest for a in parser._actions}
-        assert {"fastgen_bitwise", "fastgen_shared_encoder", "fastgen_kv_cache",
-                "fastgen_ngram_blocker"} <= dests
+        assert {"fastgen_bitwise", "fastgen_disable", "fastgen_tune"} <= dests
+        assert "fastgen_kv_cache" not in dests  # a developer option: --fastgen-disable
 
 
 def test_flags_reach_active_config(tiny):
@@ -50,7 +50,7 @@ def test_flags_reach_active_config(tiny):
     try:
         parser = options.get_generation_parser()
         options.parse_args_and_arch(parser, [str(tiny.data), "--fastgen-bitwise",
-                                             "--fastgen-no-kv-cache", "--fastgen-ngram-blocker", "torch"])
+                                             "--fastgen-disable", "kv_cache", "--fastgen-tune", "ngram_blocker=torch"])
         cfg = fg_config.active()
         assert cfg.bitwise and not cfg.kv_cache and cfg.ngram_blocker == "torch"
     finally:
@@ -59,10 +59,15 @@ def test_flags_reach_active_config(tiny):
 
 def test_bad_cli_value_is_rejected(tiny):
     p = subprocess.run([sys.executable, "-m", "fairseq_cli.generate", str(tiny.data),
-                        "--user-dir", fairseq_fastgen.__path__[0], "--fastgen-ngram-blocker", "fast"],
+                        "--user-dir", fairseq_fastgen.__path__[0], "--fastgen-tune", "ngram_blocker=fast"],
                        capture_output=True, text=True)
     assert p.returncode != 0
-    assert "--fastgen-ngram-blocker" in p.stderr and "invalid choice" in p.stderr
+    assert "error: fastgen option 'ngram_blocker': 'fast' is not one of" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "fairseq_cli.generate", str(tiny.data),
+                        "--user-dir", fairseq_fastgen.__path__[0], "--fastgen-disable", "kv_cach"],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "'disable': unknown name 'kv_cach'" in p.stderr
 
 
 def test_unknown_and_bad_keys_name_the_key():

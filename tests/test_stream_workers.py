@@ -1,5 +1,5 @@
 """Continuous batching inside decoding workers (tasks/stream_worker.py) and the engine's
-bound on rows in flight (--fastgen-continuous-rows): lossless against stock run in the
+bound on rows in flight (--fastgen-tune continuous_rows): lossless against stock run in the
 same test, every batch once and in order, the engine never waiting with work in flight."""
 import multiprocessing as mp
 import pickle
@@ -70,7 +70,7 @@ def test_feed_with_no_batch_yet_changes_nothing(tiny, monkeypatch):
 @pytest.mark.parametrize("rows,beam,slots,gemm", [
     (10, 5, 2, "auto"), (3, 5, 1, "auto"), (0, 4, 32, "mkl"), (0, 8, 32, "onednn")])
 def test_rows_bound_sentences_in_flight(tiny, monkeypatch, rows, beam, slots, gemm):
-    """--fastgen-continuous-rows (0: 128 on CPU, 256 with oneDNN GEMMs) bounds slots at
+    """--fastgen-tune continuous_rows (0: 128 on CPU, 256 with oneDNN GEMMs) bounds slots at
     rows // beam (at least one) below the batch size; output unchanged."""
     from fairseq_fastgen.models import gemm_kernel
 
@@ -123,7 +123,7 @@ def test_bundled_streaming_workers_lossless_in_stock_order():
 
 
 @pytest.mark.parametrize("opts,plugin", [
-    (["--beam", "5", "--nbest", "3", "--batch-size", "7"], ["--fastgen-continuous-rows", "8"]),
+    (["--beam", "5", "--nbest", "3", "--batch-size", "7"], ["--fastgen-tune", "continuous_rows=8"]),
     (["--beam", "4", "--batch-size", "5", "--max-len-a", "0.5", "--max-len-b", "3"], []),
 ], ids=["nbest3-rows8", "length-limit"])
 def test_cli_streaming_workers_lossless(tiny, opts, plugin):

@@ -2,12 +2,10 @@
 systems of each cell (stock, fastgen, the ablation switches, ``--variant`` systems) and how
 many interleaved rounds each gets."""
 import argparse
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from fairseq_fastgen.compare import run_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / "examples" / "bible" / "bundle"
@@ -146,15 +144,17 @@ def as_grid_cell(cell: dict, extra_systems: Sequence[str]) -> dict:
 
 
 def discover_ablations() -> List[System]:
-    """fastgen's switches, read from its --help: every --fastgen-no-X (one optimization off)."""
-    r = run_generate(["--help"], True)
-    flags = sorted(set(re.findall(r"--fastgen-no-[a-z0-9-]+", r.stdout)) - {"--fastgen-no-log-fallbacks"})
+    """fastgen's ablations: each optimization that ``--fastgen-disable`` switches off (its
+    on/off ones, log lines aside), plus bitwise mode, one decoding process and stock's
+    n-gram blocker."""
+    from fairseq_fastgen.developer_options import developer_fields
+
+    names = [n for n, f in developer_fields().items()
+             if f.type in (bool, "bool") and f.default and n != "log_fallbacks"]
     out = [("fastgen-bitwise", ("--fastgen-bitwise",))]
-    out += [(f"fastgen {f[len('--fastgen-'):]}", (f,)) for f in flags]
-    if "--fastgen-decode-workers" in r.stdout:
-        out.append(("fastgen decode-workers=1", ("--fastgen-decode-workers", "1")))
-    if "--fastgen-ngram-blocker" in r.stdout:
-        out.append(("fastgen ngram-blocker=stock", ("--fastgen-ngram-blocker", "stock")))
+    out += [(f"fastgen no-{n.replace('_', '-')}", ("--fastgen-disable", n)) for n in sorted(names)]
+    out.append(("fastgen decode-workers=1", ("--fastgen-decode-workers", "1")))
+    out.append(("fastgen ngram-blocker=stock", ("--fastgen-disable", "ngram_blocker")))
     return out
 
 
@@ -168,9 +168,9 @@ def grid_notes(g: Grid, counts: Dict[int, int], quick: bool) -> List[str]:
     return notes + [
         f"Ablations run at one representative cell per model (beam {ab['beam']}, batch "
         f"{ab['batch']}, --no-repeat-ngram-size {ab['ngram']}, so that the n-gram blocker "
-        "switch is exercised too) to fit the time budget; the switches are discovered from "
-        "`fairseq-generate --user-dir fairseq_fastgen --help` (every `--fastgen-no-*` except log switches, plus "
-        "`--fastgen-bitwise` and `--fastgen-ngram-blocker stock`).",
+        "switch is exercised too) to fit the time budget; the switches are every on/off optimization "
+        "`--fastgen-disable` takes (log lines aside), plus `--fastgen-bitwise`, `--fastgen-decode-workers 1` "
+        "and `--fastgen-disable ngram_blocker` (stock's blocker).",
         "Cells use the first " + ", ".join(f"{counts[b]} (batch {b})" for b in g.batches) + " test verses rather "
         "than all 1,000, to fit 30 minutes on 2 cores; BLEU therefore differs from the README's 1,000-verse figure "
         "and is noisy on the small cells.",

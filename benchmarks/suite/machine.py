@@ -54,7 +54,7 @@ def same_shapes(dims: Dict[str, Dict[str, int]]) -> bool:
 def gemm_throughput(dims: Dict[str, int], device: str, dtype_name: str, threads: int,
                     m: int = 2048, seconds: float = 0.4) -> dict:
     """Best achieved GFLOP/s at the model's GEMM shapes (M x K) @ (K x N): torch.matmul,
-    and on CPU in fp32 also oneDNN's linear (fastgen's --fastgen-gemm onednn), whichever
+    and on CPU in fp32 also oneDNN's linear (fastgen's --fastgen-tune gemm=onednn), whichever
     is faster (on AMD EPYC MKL runs its AVX2 path, oneDNN AVX-512)."""
     import torch
 

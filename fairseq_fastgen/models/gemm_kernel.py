@@ -111,6 +111,6 @@ def _measured_faster(features: int, outputs: int, threads: int) -> bool:
     faster = best["mkl"] >= MARGIN * best["onednn"]
     logger.info(
         "fairseq-fastgen: decoder GEMMs on %s (%d x %d x %d, %d thread(s): oneDNN %.3f ms, "
-        "MKL %.3f ms; --fastgen-gemm chooses)", "oneDNN" if faster else "MKL",
+        "MKL %.3f ms; --fastgen-tune gemm=... chooses)", "oneDNN" if faster else "MKL",
         CALIBRATION_ROWS, features, outputs, threads, best["onednn"] * 1e3, best["mkl"] * 1e3)
     return faster

@@ -16,7 +16,7 @@ stock's; only the order among exactly equal sums may differ from ``torch.topk``'
 full row (a tie, which the lossless definition of docs/lossless.md allows; bitwise mode keeps
 fairseq's ``BeamSearch.step``).
 
-With ``native`` (``--fastgen-no-native-candidates`` switches it off) CPU float32 rows go to
+With ``native`` (``--fastgen-disable native_candidates`` switches it off) CPU float32 rows go to
 the C++ extension's ``beam_candidates`` (``csrc/beam_candidates.cpp``): one pass per
 sentence keeping its k best sums, a block of 16 words looked at only when one of its sums
 (computed as above) beats the k-th best; the same values, equal sums lowest (beam, word)

@@ -84,7 +84,7 @@ def cupy_ban_repeated_ngrams(tokens: Tensor, lprobs: Tensor, step: int, n: int) 
     import cupy
 
     if not (tokens.is_cuda and lprobs.is_cuda):
-        raise RuntimeError("the CuPy n-gram blocker needs CUDA tensors; use --fastgen-ngram-blocker torch")
+        raise RuntimeError("the CuPy n-gram blocker needs CUDA tensors; use --fastgen-tune ngram_blocker=torch")
     if lprobs.dtype not in _FUNCS:
         raise TypeError(f"unsupported lprobs dtype {lprobs.dtype}")
     starts = step - n + 2

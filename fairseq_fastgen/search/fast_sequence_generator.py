@@ -77,10 +77,10 @@ class FastSequenceGenerator(SequenceGenerator):
         if not cfg.enabled:
             return "fastgen disabled"
         if not cfg.fast_decoder:
-            return "fast decoder switched off (--fastgen-no-fast-decoder)"
+            return "fast decoder switched off (--fastgen-disable fast_decoder)"
         if self._sampling:
             if not cfg.sampling:
-                return "sampling on the fast path switched off (--fastgen-no-sampling)"
+                return "sampling on the fast path switched off (--fastgen-disable sampling)"
         elif type(self.search) is not search.BeamSearch:
             return f"search strategy {type(self.search).__name__}"
         if self.lm_model is not None:

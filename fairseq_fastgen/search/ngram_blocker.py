@@ -140,7 +140,7 @@ def corrected_stock_loop(tokens: Tensor, lprobs: Tensor, bsz: int, beam_size: in
 
 
 def build_blocker(n: int, kind: str = "auto") -> nn.Module:
-    """The n-gram blocker for ``--fastgen-ngram-blocker kind``."""
+    """The n-gram blocker for ``--fastgen-tune ngram_blocker=kind``."""
     if kind == "stock":
         from fairseq.ngram_repeat_block import NGramRepeatBlock
 

@@ -21,7 +21,7 @@ status 143 / 130; a worker ends with the main process however it ends (lifecycle
 
 Setup and closing lines are stock's (stock_main.py); the progress meters are meters.py,
 the loops that feed the pool feed.py.  Option combinations the pipeline does not serve
-(``--replace-unk``, no ``fork`` start method) and ``--fastgen-no-pipeline`` /
+(``--replace-unk``, no ``fork`` start method) and ``--fastgen-disable pipeline`` /
 ``--fastgen-off`` run fairseq's own loop after one log line that says why.
 """
 import functools
@@ -136,7 +136,7 @@ def fallback_reason(cfg, fastgen) -> Optional[str]:
     if not fastgen.enabled:
         return "fairseq-fastgen is switched off (--fastgen-off)"
     if not fastgen.pipeline:
-        return "switched off (--fastgen-no-pipeline)"
+        return "switched off (--fastgen-disable pipeline)"
     if cfg.generation.replace_unk is not None:
         return "--replace-unk reads the raw dataset text per sentence"
     if "fork" not in mp.get_all_start_methods():

@@ -33,7 +33,7 @@ _IDLE = object()  # the worker's wait for a task timed out
 
 
 def default_workers(use_cuda: bool = False) -> int:
-    """Postprocessing workers when ``--fastgen-pipeline-workers`` is 0 (auto).
+    """Postprocessing workers when ``--fastgen-tune pipeline_workers`` is 0 (auto).
 
     The cores that decoding does not use (on CPU: ``torch.get_num_threads()`` of them;
     on a GPU: one for the driving thread), at least 1 and at most 4: one worker keeps up

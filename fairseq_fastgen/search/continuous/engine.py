@@ -12,7 +12,7 @@ each at its own step.  Batches come out whole and in input order.
 Batches the engine does not serve (a prefix that contains eos: stock then copies beams
 across the batch) are decoded by the generator's batch-at-a-time path, in order.
 
-On oneDNN's GEMMs (``--fastgen-gemm auto``/``onednn``) the margin guard (:mod:`.margins`)
+On oneDNN's GEMMs (``--fastgen-tune gemm=auto``/``onednn``) the margin guard (:mod:`.margins`)
 marks each sentence whose beam compared candidates too close to call; such a sentence
 leaves its slot at that step (whatever its later steps, it is decoded again), and those
 are decoded again by a second engine on MKL, from their batch's encoder output (computed
@@ -49,7 +49,7 @@ class ContinuousBeamSearch:
 
     generator: a :class:`~fairseq_fastgen.search.fast_sequence_generator.FastSequenceGenerator`
     whose fast path serves these batches; ``capacity``: sentences in flight at most (0:
-    the largest batch seen so far, at most ``--fastgen-continuous-rows`` rows);
+    the largest batch seen so far, at most ``--fastgen-tune continuous_rows`` rows);
     ``regular(sample, prefix_tokens)``: the batch-at-a-time decoding of a batch the engine does not serve.  With ``auto`` on
     CPU, while no batch has had more than one sentence, batches go to ``regular``
     (nothing to refill; measured 4% faster there, docs/continuous-batching.md).
@@ -58,8 +58,8 @@ class ContinuousBeamSearch:
     def __init__(self, generator, capacity: int = 0,
                  regular: Optional[Callable[[Dict[str, Any], Optional[Tensor]], list]] = None,
                  onednn: Optional[bool] = None):
-        """onednn: the decoders' GEMM kernel (None: as ``--fastgen-gemm`` resolves it).
-        On oneDNN with ``--fastgen-margin-guard`` > 0, a sentence whose decoding compared
+        """onednn: the decoders' GEMM kernel (None: as ``--fastgen-tune gemm`` resolves it).
+        On oneDNN with ``--fastgen-tune margin_guard`` > 0, a sentence whose decoding compared
         candidates closer than the margin is decoded again on MKL (:mod:`.margins`)."""
         self.gen = generator
         self.capacity = capacity
@@ -83,7 +83,7 @@ class ContinuousBeamSearch:
         if self.margin > 0:
             logger.info("fairseq-fastgen: continuous batching on oneDNN GEMMs; a sentence "
                         "whose beam compared candidates closer than %g is decoded again on "
-                        "MKL (--fastgen-margin-guard)", self.margin)
+                        "MKL (--fastgen-tune margin_guard)", self.margin)
 
     def reference(self) -> "ContinuousBeamSearch":
         """The engine on MKL, stock's kernel (the margin guard's second decoding)."""

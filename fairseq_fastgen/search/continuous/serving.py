@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-# --fastgen-continuous-rows 0 on CPU: rows in flight at most.  Measured (Xeon, es->en,
+# --fastgen-tune continuous_rows=0 on CPU: rows in flight at most.  Measured (Xeon, es->en,
 # beam 5, docs/continuous-batching.md): 16-32 sentences beat 64, 1 and 2 threads alike;
 # a step's (rows, vocab) logits then stay in the core's cache.  With oneDNN's GEMMs
 # (models/gemm_kernel.py), which gain more from rows than MKL's, 256 rows took a
@@ -25,7 +25,7 @@ def auto_rows(generator, onednn: bool) -> int:
 
 
 def engine_onednn(generator) -> bool:
-    """Whether the engine's decoders run their GEMMs on oneDNN: ``--fastgen-gemm onednn``,
+    """Whether the engine's decoders run their GEMMs on oneDNN: ``--fastgen-tune gemm=onednn``,
     or ``auto`` where oneDNN measures faster and the margin guard can catch its rounding
     (the batch-at-a-time path stays on MKL under ``auto``)."""
     cfg = generator.fastgen
@@ -55,14 +55,14 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
     if getattr(generator, "_sampling", False):
         return "sampling draws stock's random numbers over stock's batches"
     if generator.need_attn:
-        return "attention weights are kept (--print-alignment or --fastgen-attention)"
+        return "attention weights are kept (--print-alignment or --fastgen-tune attention=true)"
     if constraints:
         return "lexical constraints"
     if generator.beam_size == 1 and cfg.aggressive != "off":
         return "aggressive decoding serves greedy search"
     blocker = generator.repeat_ngram_blocker
     if blocker is not None and not hasattr(blocker, "ban_ragged"):
-        return "fairseq's own n-gram blocker (--fastgen-ngram-blocker stock)"
+        return "fairseq's own n-gram blocker (--fastgen-tune ngram_blocker=stock)"
     if generator.model.models[0].training:
         return "models in training mode (--retain-dropout)"
     if task is not None and type(task).inference_step is not FairseqTask.inference_step:
