@@ -84,12 +84,12 @@ class FastGenConfig:
     gemm: str = field(
         default="auto",
         metadata={"developer": True,
-            "help": "the fp32 GEMM kernel of the decoder projections, encoder linears and "
-            "encoder-decoder keys/values on CPU (lossless mode): mkl (torch's addmm, "
-            "stock's), onednn (1.2-2.4x faster on AMD EPYC, where MKL runs its AVX2 path; "
-            "everywhere, guarded only under continuous batching), or auto (oneDNN for "
-            "continuous batching under the margin guard where it measures clearly faster on "
-            "the model's output projection, once per process; MKL elsewhere)",
+            "help": "the fp32 GEMM kernel of continuous batching's decoder projections and "
+            "encoder-decoder keys/values on CPU (lossless mode), under the margin guard: "
+            "mkl (torch's addmm, stock's), onednn (1.2-2.4x faster on AMD EPYC, where MKL "
+            "runs its AVX2 path), or auto (oneDNN where it measures clearly faster on the "
+            "model's output projection, once per process). Whatever nothing guards (the "
+            "batch-at-a-time path, aggressive decoding) stays on MKL",
             "choices": GEMM_KERNELS,
         },
     )
@@ -313,6 +313,8 @@ class FastGenConfig:
     def describe(self) -> str:
         opts = [k for k, v in self.active_optimizations().items() if v]
         mode = "off" if not self.enabled else ("bitwise" if self.bitwise else "lossless")
+        if mode == "lossless" and self.gemm == "onednn" and self.margin_guard == 0:
+            mode = "unguarded"  # oneDNN without the margin guard: near-ties may flip
         return f"fairseq-fastgen: mode={mode}; active: {', '.join(opts) or 'none'}"
 
 

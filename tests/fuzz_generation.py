@@ -2,8 +2,8 @@
 
 :func:`cases` (hypothesis) draws a :class:`Case`: a tiny random model, source sentences
 (empty, one token repeated, over the model's positions with or without skipping, mixed),
-fairseq's batching (``--batch-size``, ``--max-tokens``), generation options and
-``--fastgen-*`` switches.  :func:`check` builds both generators through
+fairseq's batching (``--batch-size``, ``--max-tokens``), generation options,
+``--fastgen-*`` switches (the developer ones included: kernels, guard) and 1 or 2 torch threads.  :func:`check` builds both generators through
 ``task.build_generator``, decodes every batch with both and returns the problems, as
 docs/lossless.md defines them: stock's exception type when stock raises; per sentence the
 same number of hypotheses, identical tokens and alignments, scores within 1e-4 (bitwise:
@@ -45,6 +45,7 @@ class Case:
     skip_invalid: bool = True  # --skip-invalid-size-inputs-valid-test
     prefix_size: int = 0
     seed: int = 0
+    threads: int = 1  # torch threads of both sides (users run several: other GEMM blockings)
 
 
 @dataclass
@@ -130,6 +131,17 @@ def fastgen_options(draw) -> Dict[str, object]:
     opts["ngram_blocker"] = draw(st.sampled_from(["auto", "auto", "torch", "stock"]))
     if _rare(draw, 15):
         opts["enabled"] = False
+    # the kernels: C++ step and its parts, GEMM kernel and guard, packed weights.  Not the
+    # unguarded oneDNN ablation (margin_guard 0), whose output may differ at near-ties;
+    # decoding workers are fairseq-generate's (tests/test_decode_workers.py, against stock)
+    for key in ("native_step", "ancestor_kv", "fused_cross_attention", "native_candidates"):
+        if _rare(draw, 5):
+            opts[key] = False
+    opts["gemm"] = draw(st.sampled_from(["auto", "auto", "mkl", "onednn"]))
+    if _rare(draw, 4):
+        opts["margin_guard"] = 1e-3
+    if _rare(draw, 4):
+        opts["packed_gemm_mb"] = draw(st.sampled_from([0, 1]))
     return opts
 
 
@@ -149,7 +161,7 @@ def cases(draw) -> Case:
                 gen=draw(search_options()), fastgen=draw(fastgen_options()),
                 batch_size=draw(st.integers(1, 16)), max_tokens=max_tokens,
                 skip_invalid=draw(st.booleans()), prefix_size=draw(st.sampled_from([0, 0, 1, 2, 4])),
-                seed=draw(st.integers(0, 2**16)))
+                seed=draw(st.integers(0, 2**16)), threads=draw(st.sampled_from([1, 1, 2])))
 
 
 # ---- the batches ------------------------------------------------------------------------
@@ -268,12 +280,17 @@ def check(case: Case, pool: Dict[str, Namespace]) -> Result:
         return res
     batches = make_batches(case, task, models)
     prefixes = [b["target"][:, : case.prefix_size] if case.prefix_size else None for b in batches]
-    expected = _decode_each(stock, models, batches, prefixes, case.seed)
-    boundary: List[int] = []
-    if fastgen.continuous == "on":
-        got = _decode_stream(fast, task, models, batches, prefixes, case.seed)
-    else:
-        got = _decode_each(fast, models, batches, prefixes, case.seed, boundary)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(case.threads)
+    try:
+        expected = _decode_each(stock, models, batches, prefixes, case.seed)
+        boundary: List[int] = []
+        if fastgen.continuous == "on":
+            got = _decode_stream(fast, task, models, batches, prefixes, case.seed)
+        else:
+            got = _decode_each(fast, models, batches, prefixes, case.seed, boundary)
+    finally:
+        torch.set_num_threads(threads)
     if not _compare_errors(expected, got, "generate", res):
         _compare_runs(expected, got, batches, fastgen.bitwise, case, models, res, boundary)
     return res

@@ -79,3 +79,9 @@ def test_hydra_and_python_take_the_same_options(tiny):
         assert not fg_config.active().fused_cross_attention
     finally:
         fg_config.set_active(before)
+
+
+def test_the_log_line_says_when_the_guard_is_off():
+    assert "mode=lossless" in FastGenConfig(gemm="onednn").describe()
+    assert "mode=unguarded" in FastGenConfig.from_mapping({"tune": "gemm=onednn,margin_guard=0"}).describe()
+    assert "mode=lossless" in FastGenConfig(margin_guard=0).describe()  # auto: no guard, no oneDNN

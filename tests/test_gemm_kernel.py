@@ -96,12 +96,20 @@ def test_auto_takes_the_kernel_it_measures_faster(monkeypatch, caplog):
 @needs_onednn
 @pytest.mark.parametrize("which", ["postln", "preln", "bart"])
 def test_generation_on_onednn_matches_stock(tiny, which):
+    """Forced oneDNN runs continuous batching's decoders (under the guard) and leaves the
+    batch path, which nothing guards, on MKL: both give stock's hypotheses."""
     task, models, cfg = load(tiny.data, [getattr(tiny, which)])
     stock, fast = generators(task, models, ONEDNN, beam=5, max_len_b=30)
     for bsz in (1, 7):
-        for b in batches(task, cfg, bsz, limit=3):
-            assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=False)
-    assert fast._decoders()[0].stack.onednn
+        samples = list(batches(task, cfg, bsz, limit=3))
+        expected = [stock.generate(models, b) for b in samples]
+        for b, e in zip(samples, expected):
+            assert_same_hypos(e, fast.generate(models, b), bitwise=False)
+        engine = ContinuousBeamSearch(fast, regular=lambda s, p: fast.generate(models, s))
+        assert engine.onednn and engine.margin > 0
+        for (_, hypos), e in zip(engine.run(iter([(b, None) for b in samples])), expected):
+            assert_same_hypos(e, hypos, bitwise=False)
+    assert not fast._decoders()[0].stack.onednn
 
 
 @needs_onednn

@@ -185,7 +185,8 @@ def test_auto_runs_the_batch_path_on_mkl_and_the_engine_as_measured(tiny, monkey
 
     task, models, cfg = load(tiny.data, [tiny.postln])
     for faster in (False, True):
-        monkeypatch.setattr(DecoderStack, "onednn_faster", lambda self, f=faster: f)
+        monkeypatch.setattr(DecoderStack, "onednn_serves", lambda self, mode, f=faster: (
+            mode == "onednn" or f) and gemm_kernel.available())
         _, fast = generators(task, models, FastGenConfig(), beam=4, max_len_b=20)
         assert not fast._decoders()[0].stack.onednn  # batch at a time: stock's kernel
         engine = ContinuousBeamSearch(fast)

@@ -138,9 +138,10 @@ class DecoderStack:
         twin._lprob_buf = None
         return twin
 
-    def onednn_faster(self) -> bool:
-        """Whether oneDNN measures clearly faster than MKL for this decoder (``auto``)."""
-        return not self.bitwise and _use_onednn("auto", self.decoder)
+    def onednn_serves(self, mode: str) -> bool:
+        """Whether oneDNN serves this decoder (``onednn``: fp32 on CPU, where torch has it;
+        ``auto``: also measured clearly faster than MKL)."""
+        return not self.bitwise and _use_onednn(mode, self.decoder)
 
     def prepare(self) -> None:
         """Build (or re-read, when the model's weights changed) everything derived from

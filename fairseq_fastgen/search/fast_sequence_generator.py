@@ -150,15 +150,11 @@ class FastSequenceGenerator(SequenceGenerator):
             for d in self._decoders():
                 d.prepare()
 
-    def forward_encoder(self, net_input: Dict[str, Tensor], onednn: Optional[bool] = None):
+    def forward_encoder(self, net_input: Dict[str, Tensor], onednn: bool = False):
         """fairseq's ensemble encoder output; its linears on oneDNN where ``onednn`` says
-        (None: where the decoders' projections are; :mod:`~fairseq_fastgen.models.gemm_kernel`)."""
-        with gemm_kernel.linears(self.onednn_gemms() if onednn is None else onednn):
+        (the unguarded engine's choice; :mod:`~fairseq_fastgen.models.gemm_kernel`)."""
+        with gemm_kernel.linears(onednn):
             return self.model.forward_encoder(net_input)
-
-    def onednn_gemms(self) -> bool:
-        """Whether every model's decoder runs its projections on oneDNN."""
-        return all(d.stack.onednn for d in self._decoders())
 
     def _decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:
@@ -171,9 +167,8 @@ class FastSequenceGenerator(SequenceGenerator):
                             packed_gemm_mb=cfg.packed_gemm_mb if fp32 else 0,
                             native=cfg.native_step and fp32,
                             ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse,
-                            fused_cross=cfg.fused_cross_attention,
-                            # auto: oneDNN only under continuous batching's margin guard
-                            gemm="mkl" if cfg.gemm == "auto" or not fp32 else cfg.gemm)
+                            fused_cross=cfg.fused_cross_attention)  # MKL: oneDNN is
+                # continuous batching's alone, under its margin guard (search/continuous/)
                 for m in self.model.models
             ]
         return self._fast_decoders

@@ -25,14 +25,16 @@ def auto_rows(generator, onednn: bool) -> int:
 
 
 def engine_onednn(generator) -> bool:
-    """Whether the engine's decoders run their GEMMs on oneDNN: ``--fastgen-tune gemm=onednn``,
-    or ``auto`` where oneDNN measures faster and the margin guard can catch its rounding
-    (the batch-at-a-time path stays on MKL under ``auto``)."""
+    """Whether the engine's decoders run their GEMMs on oneDNN: ``--fastgen-tune gemm=onednn``
+    where the kernel serves the model (fp32 CPU), or ``auto`` where oneDNN also measures
+    faster and the margin guard can catch its rounding.  Only the engine runs oneDNN: the
+    batch-at-a-time path and aggressive decoding stay on MKL, where nothing guards them."""
     cfg = generator.fastgen
     stacks = [d.stack for d in generator._decoders()]
-    if cfg.gemm == "onednn":
-        return all(st.onednn for st in stacks)
-    return cfg.gemm == "auto" and cfg.margin_guard > 0 and all(st.onednn_faster() for st in stacks)
+    if cfg.gemm == "mkl" or not all(st.onednn_serves("onednn") for st in stacks):
+        return False
+    return cfg.gemm == "onednn" or (
+        cfg.margin_guard > 0 and all(st.onednn_serves("auto") for st in stacks))
 
 
 def unsupported(generator, task=None, constraints: bool = False) -> Optional[str]:
