@@ -94,13 +94,14 @@ class FastGenConfig:
         },
     )
     margin_guard: float = field(
-        default=1e-4,
+        default=4.0,
         metadata={"developer": True,
-            "help": "continuous batching on oneDNN: a sentence whose beam search compared "
-            "two candidates (or final hypotheses) of scores s closer than this many nats "
-            "times (1 + |s| / 25) is decoded again on MKL, so that oneDNN's other rounding "
-            "cannot change a hypothesis (4-9x the score moves measured); 0: off (oneDNN's "
-            "output may then differ from stock's at near-ties)",
+            "help": "continuous batching on oneDNN: the engine decodes its first batch on "
+            "both kernels and takes as its margin this many times the largest move of a "
+            "score s between them (relative to 1 + |s| / 25); a sentence whose beam search "
+            "compared two candidates (or final hypotheses) closer than the margin is decoded "
+            "again on MKL, so that oneDNN's other rounding cannot change a hypothesis; 0: "
+            "off (oneDNN's output may then differ from stock's at near-ties)",
         },
     )
     native_step: bool = field(default=True, metadata={"developer": True, "help": (

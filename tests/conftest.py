@@ -101,17 +101,17 @@ def generators(task, models, fastgen: FastGenConfig, **gen):
 
 def count_slots(monkeypatch) -> list:
     """Sentences in flight at each engine step, appended as the continuous engine steps
-    (its ``_Run._step`` wrapped for the test's duration)."""
-    from fairseq_fastgen.search.continuous import engine as eng
+    (its ``StreamRun._step`` wrapped for the test's duration)."""
+    from fairseq_fastgen.search.continuous import stream
 
     seen = []
-    step = eng._Run._step
+    step = stream.StreamRun._step
 
     def counting(self):
         seen.append(len(self.slot_of))
         return step(self)
 
-    monkeypatch.setattr(eng._Run, "_step", counting)
+    monkeypatch.setattr(stream.StreamRun, "_step", counting)
     return seen
 
 

@@ -106,7 +106,7 @@ def test_generation_on_onednn_matches_stock(tiny, which):
         for b, e in zip(samples, expected):
             assert_same_hypos(e, fast.generate(models, b), bitwise=False)
         engine = ContinuousBeamSearch(fast, regular=lambda s, p: fast.generate(models, s))
-        assert engine.onednn and engine.margin > 0
+        assert engine.onednn and engine.multiple > 0
         for (_, hypos), e in zip(engine.run(iter([(b, None) for b in samples])), expected):
             assert_same_hypos(e, hypos, bitwise=False)
     assert not fast._decoders()[0].stack.onednn

@@ -11,7 +11,7 @@ from conftest import assert_same_hypos, batches, bundled, count_slots, generator
 from fairseq_fastgen.compare import side_by_side
 from fairseq_fastgen.config import FastGenConfig
 from fairseq_fastgen.search.continuous import ContinuousBeamSearch
-from fairseq_fastgen.search.continuous import engine as eng
+from fairseq_fastgen.search.continuous import stream
 from fairseq_fastgen.tasks.stream_worker import TaskFeed
 
 STREAM_LOG = "each decoding its batches as one stream (continuous batching)"
@@ -51,13 +51,13 @@ def test_feed_with_no_batch_yet_changes_nothing(tiny, monkeypatch):
     samples = list(batches(task, cfg, 3, limit=8))
     expected = [stock.generate(models, b) for b in samples]
     run = [None]
-    init = eng._Run.__init__
+    init = stream.StreamRun.__init__
 
     def keep(self, *a, **k):
         init(self, *a, **k)
         run[0] = self
 
-    monkeypatch.setattr(eng._Run, "__init__", keep)
+    monkeypatch.setattr(stream.StreamRun, "__init__", keep)
     feed = _Sparse([(b, None) for b in samples], run)
     got = list(ContinuousBeamSearch(fast, capacity=4).run(feed))
     assert [s for s, _ in got] == samples

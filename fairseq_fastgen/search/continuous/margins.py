@@ -28,13 +28,18 @@ then sorted by score: neighbours there must be ``margin / min(len)**lenpen`` apa
 
 A sentence none of whose comparisons was tight is stock's (up to the scores' last
 places); one with a tight comparison is decoded again on MKL (engine.py), so the output
-is that of the reference kernel everywhere.  The bound is measured, not proven: the
-default margin is four times the largest move seen.
+is that of the reference kernel everywhere.  The bound is measured, not proven, and for
+the model and machine at hand: each engine decodes its first batch on both kernels
+(engine.py; that batch's output is MKL's) and sets the margin to ``--fastgen-tune
+margin_guard`` (4) times the largest move seen there (:func:`calibrated`), logged once.
 """
+import logging
 from typing import List, Optional
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 _NEG_INF = float("-inf")
 # the margin grows with the scores: margin * (1 + |score| / SCORE_SCALE) (a score's last
@@ -142,3 +147,35 @@ class MarginGuard:
         finals = tight_finals(fin_score.index_select(0, done), fin_len.index_select(0, done),
                               fin_count.index_select(0, done), self.margin, self.len_penalty)
         return (self.tight.index_select(0, done) | finals).tolist()
+
+
+# the smallest calibrated margin: a few units in the last place of an fp32 score near 1
+FLOOR = 2.0 ** -20
+
+
+def calibrated(reference: List[list], other: List[list], multiple: float) -> float:
+    """The margin: ``multiple`` times the largest move of a cumulative score seen between
+    two decodings of the same sentences (``reference`` on MKL, ``other`` on oneDNN, as
+    ``SequenceGenerator.generate`` returns them), over the hypotheses whose tokens agree,
+    relative as :func:`tight_slots` bounds it (``|a - b| / (1 + |b| / SCORE_SCALE)``);
+    at least :data:`FLOOR`.  Logged once, with how many best hypotheses already differed.
+    Once per engine: a Python loop over one batch's hypotheses."""
+    move, flips, seen = 0.0, 0, 0
+    for ref_hyps, hyps in zip(reference, other):
+        flips += bool(ref_hyps and hyps) and not torch.equal(ref_hyps[0]["tokens"], hyps[0]["tokens"])
+        for a, b in zip(ref_hyps, hyps):
+            if a["tokens"].shape != b["tokens"].shape or not torch.equal(a["tokens"], b["tokens"]):
+                continue
+            ca = a["positional_scores"].double().cumsum(0)
+            cb = b["positional_scores"].double().cumsum(0)
+            ok = ca.isfinite() & cb.isfinite()
+            rel = (ca - cb).abs() / (1 + cb.abs() / SCORE_SCALE)
+            move = max(move, float(rel[ok].max()) if bool(ok.any()) else 0.0)
+            seen += 1
+    margin = max(multiple * move, FLOOR)
+    logger.info("fairseq-fastgen: margin guard calibrated on %d sentences (%d hypotheses "
+                "alike): largest score move between MKL and oneDNN %.3g (relative to 1 + "
+                "|score| / %g), margin %.3g = %g x that (at least %.3g)%s", len(reference),
+                seen, move, SCORE_SCALE, margin, multiple, FLOOR,
+                f"; {flips} best hypotheses already differed" if flips else "")
+    return margin
