@@ -94,7 +94,7 @@ class FastGenConfig:
         },
     )
     margin_guard: float = field(
-        default=4.0,
+        default=8.0,
         metadata={"developer": True,
             "help": "continuous batching on oneDNN: the engine decodes its first batch on "
             "both kernels and takes as its margin this many times the largest move of a "

@@ -99,7 +99,7 @@ def test_finished_hypotheses_too_close():
 
 
 def test_margin_option():
-    assert FastGenConfig().margin_guard == 4.0 and FastGenConfig().gemm == "auto"
+    assert FastGenConfig().margin_guard == 8.0 and FastGenConfig().gemm == "auto"
     assert FastGenConfig.from_mapping({"margin_guard": "5e-5"}).margin_guard == 5e-5
     for bad in (-1.0, float("inf"), "x", True):
         with pytest.raises(FastGenConfigError, match="margin_guard"):
@@ -157,7 +157,7 @@ def test_guard_catches_a_kernel_that_rounds_worse(tiny, monkeypatch, caplog):
     calibration = [r.getMessage() for r in caplog.records if "calibrated on" in r.getMessage()]
     assert len(calibration) == 1 and engine.onednn
     move = float(calibration[0].split("oneDNN ")[1].split(" ")[0])
-    assert 1e-4 < move < 1 and engine.margin == pytest.approx(4 * move, rel=1e-2)
+    assert 1e-4 < move < 1 and engine.margin == pytest.approx(8 * move, rel=1e-2)
     assert _differing(expected, got) == 0  # tokens (the rough kernel's scores are off)
     redone, total = _redone(caplog)
     assert 0 < redone < total == sum(len(e) for e in expected)
@@ -194,7 +194,7 @@ def test_auto_runs_the_batch_path_on_mkl_and_the_engine_as_measured(tiny, monkey
         engine = ContinuousBeamSearch(fast)
         engine.prepare()
         want = faster and gemm_kernel.available()
-        assert engine.onednn == want and engine.multiple == (4.0 if want else 0.0)
+        assert engine.onednn == want and engine.multiple == (8.0 if want else 0.0)
         assert engine.margin == (None if want else 0.0)  # None: measured on the first batch
         assert all(d.stack.onednn == want for d in engine.decoders)
         # the twin shares the weight copies

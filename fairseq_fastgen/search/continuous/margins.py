@@ -31,10 +31,13 @@ places); one with a tight comparison is decoded again on MKL (engine.py), so the
 is that of the reference kernel everywhere.  The bound is measured, not proven, and for
 the model and machine at hand: each engine decodes its first batch on both kernels
 (engine.py; that batch's output is MKL's) and sets the margin to ``--fastgen-tune
-margin_guard`` (4) times the largest move seen there (:func:`calibrated`), logged once.
+margin_guard`` (8) times the largest move seen there (:func:`calibrated`), logged once.
+Why 8: a comparison of two candidates moves by up to twice one score's move, and over all
+batches of the bundled models the largest move was up to 1.75x the first batch's
+(benchmarks/margin_calibration.py; this leaves 2.3x on top).
 """
 import logging
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -153,13 +156,12 @@ class MarginGuard:
 FLOOR = 2.0 ** -20
 
 
-def calibrated(reference: List[list], other: List[list], multiple: float) -> float:
-    """The margin: ``multiple`` times the largest move of a cumulative score seen between
-    two decodings of the same sentences (``reference`` on MKL, ``other`` on oneDNN, as
-    ``SequenceGenerator.generate`` returns them), over the hypotheses whose tokens agree,
-    relative as :func:`tight_slots` bounds it (``|a - b| / (1 + |b| / SCORE_SCALE)``);
-    at least :data:`FLOOR`.  Logged once, with how many best hypotheses already differed.
-    Once per engine: a Python loop over one batch's hypotheses."""
+def score_move(reference: List[list], other: List[list]) -> Tuple[float, int, int]:
+    """(largest move, best hypotheses that differ, hypotheses compared) between two
+    decodings of the same sentences (``SequenceGenerator.generate``'s lists): the largest
+    move of a cumulative score over the hypotheses whose tokens agree, relative as
+    :func:`tight_slots` bounds it (``|a - b| / (1 + |b| / SCORE_SCALE)``).  Run once per
+    engine: a Python loop over one batch's hypotheses."""
     move, flips, seen = 0.0, 0, 0
     for ref_hyps, hyps in zip(reference, other):
         flips += bool(ref_hyps and hyps) and not torch.equal(ref_hyps[0]["tokens"], hyps[0]["tokens"])
@@ -172,6 +174,13 @@ def calibrated(reference: List[list], other: List[list], multiple: float) -> flo
             rel = (ca - cb).abs() / (1 + cb.abs() / SCORE_SCALE)
             move = max(move, float(rel[ok].max()) if bool(ok.any()) else 0.0)
             seen += 1
+    return move, flips, seen
+
+
+def calibrated(reference: List[list], other: List[list], multiple: float) -> float:
+    """The margin: ``multiple`` times :func:`score_move` between a batch decoded on MKL
+    (``reference``) and on oneDNN (``other``), at least :data:`FLOOR`; logged once."""
+    move, flips, seen = score_move(reference, other)
     margin = max(multiple * move, FLOOR)
     logger.info("fairseq-fastgen: margin guard calibrated on %d sentences (%d hypotheses "
                 "alike): largest score move between MKL and oneDNN %.3g (relative to 1 + "
