@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fastgen-installed
 
-.PHONY: demo test install clean-venv bench bench-suite bench-quick test-b demo-b fuzz
+.PHONY: demo test test-long install clean-venv bench bench-suite bench-quick test-b demo-b fuzz
 
 $(STAMP): setup.py requirements-a.txt $(wildcard fairseq_fastgen/csrc/*.cpp)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# make test: the fast, complete gate (CI); make test-long: the long runs of behaviours the
+# gate covers at a smaller size (tests marked long: bundled models in half precision, the
+# benchmark suite and device kit end to end).
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not long" tests
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m long tests
 
 # Differential fuzzer (tests/fuzz_generation.py), a long run: stock fairseq vs the plugin
 # over generation options on tiny random models; prints "fuzz: N examples tried, ...".

@@ -206,6 +206,7 @@ def test_render_drops_absent_optional_paragraphs(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- end to end
 
+@pytest.mark.long  # the whole quick suite; grid, report and measure have unit tests here
 def test_suite_quick(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "suite"

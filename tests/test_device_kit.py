@@ -42,6 +42,7 @@ def dry_run(tmp_path_factory):
     return p, out, root
 
 
+@pytest.mark.long  # every part of the kit, end to end (its pieces have unit tests here)
 def test_dry_run_every_part_runs_and_its_results_parse(dry_run):
     p, out, root = dry_run
     log = (out / "device_check.log").read_text() if (out / "device_check.log").exists() else ""

@@ -52,6 +52,7 @@ def test_lm_flops_count_prompt_once_and_new_tokens_per_hypothesis():
     assert prompt_part > 0  # the prompt, plus longer attention spans of the new tokens
 
 
+@pytest.mark.long  # the script end to end; its limits and cells have unit tests here
 def test_tiny_end_to_end(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--out", str(out),
