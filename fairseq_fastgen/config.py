@@ -24,6 +24,8 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional
 
+from . import developer_options
+
 logger = logging.getLogger(__name__)
 
 NGRAM_BLOCKERS = ("auto", "torch", "cupy", "stock")
@@ -74,7 +76,7 @@ class FastGenConfig:
     )
     packed_gemm_mb: int = field(
         default=256,
-        metadata={"developer": True,
+        metadata={"developer": True, "off": 0,
             "help": "MiB per decoder (per process) of MKL packed copies of the decoder's "
             "projection weights, one copy per row count a step uses often (CPU, fp32, "
             "lossless mode; 1.1-1.3x faster GEMMs at few rows); 0 switches it off; a model "
@@ -83,7 +85,7 @@ class FastGenConfig:
     )
     gemm: str = field(
         default="auto",
-        metadata={"developer": True,
+        metadata={"developer": True, "off": "mkl",
             "help": "the fp32 GEMM kernel of continuous batching's decoder projections and "
             "encoder-decoder keys/values on CPU (lossless mode), under the margin guard: "
             "mkl (torch's addmm, stock's), onednn (1.2-2.4x faster on AMD EPYC, where MKL "
@@ -95,7 +97,7 @@ class FastGenConfig:
     )
     margin_guard: float = field(
         default=8.0,
-        metadata={"developer": True,
+        metadata={"developer": True, "off": 0.0,
             "help": "continuous batching on oneDNN: the engine decodes its first batch on "
             "both kernels and takes as its margin this many times the largest move of a "
             "score s between them (relative to 1 + |s| / 25); a sentence whose beam search "
@@ -125,7 +127,7 @@ class FastGenConfig:
     )
     ngram_blocker: str = field(
         default="auto",
-        metadata={"developer": True,
+        metadata={"developer": True, "off": "stock",
             "help": "repeated n-gram blocker: auto (CuPy kernel on CUDA when available, "
             "else vectorized torch), torch, cupy, or stock (fairseq's own)",
             "choices": NGRAM_BLOCKERS,
@@ -269,12 +271,14 @@ class FastGenConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], base: Optional["FastGenConfig"] = None):
         """Build from a dict-like (Hydra node, kwargs), rejecting unknown keys."""
-        from .developer_options import expand  # it reads this module's fields
-
         known = {f.name: f for f in fields(cls)}
         merged = (base or cls()).to_dict()
         values = dict(values)
-        values.update(expand(values.pop("disable", None), values.pop("tune", None)))
+        try:
+            values.update(developer_options.expand(
+                values.pop("disable", None), values.pop("tune", None), cls.developer_fields()))
+        except ValueError as e:
+            raise FastGenConfigError(str(e)) from None
         for key, value in values.items():
             if key.startswith("_"):
                 continue  # Hydra bookkeeping such as ``_name``
@@ -285,6 +289,11 @@ class FastGenConfig:
                 )
             merged[key] = _coerce(known[key], value)
         return cls(**merged)
+
+    @classmethod
+    def developer_fields(cls) -> Dict[str, Any]:
+        """Name -> dataclass field of the fields ``disable`` / ``tune`` reach."""
+        return {f.name: f for f in fields(cls) if f.metadata.get("developer")}
 
     def active_optimizations(self) -> Dict[str, bool]:
         """Which optimizations this config switches on (for the one start-up log line)."""

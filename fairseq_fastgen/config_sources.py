@@ -45,11 +45,11 @@ def add_args(parser) -> None:
     group.add_argument(
         "--fastgen-disable", dest="fastgen_disable", action="append", metavar="NAME[,NAME]",
         help="developer option (ablations, docs/developer-options.md): switch off these "
-        "optimizations: " + ", ".join(developer_options.disable_names()))
+        "optimizations: " + ", ".join(developer_options.disable_names(FastGenConfig.developer_fields())))
     group.add_argument(
         "--fastgen-tune", dest="fastgen_tune", action="append", metavar="KEY=VALUE[,...]",
         help="developer option (docs/developer-options.md): set these knobs: "
-        + ", ".join(developer_options.developer_fields()))
+        + ", ".join(FastGenConfig.developer_fields()))
 
 
 def from_namespace(args) -> Optional[FastGenConfig]:
@@ -64,8 +64,9 @@ def namespace_values(args) -> Dict[str, Any]:
     values = {f.name: getattr(args, "fastgen_" + f.name)
               for f in fields(FastGenConfig) if hasattr(args, "fastgen_" + f.name)}
     if values:
-        values.update(developer_options.expand(getattr(args, "fastgen_disable", None),
-                                               getattr(args, "fastgen_tune", None)))
+        # expanded (and checked) with the rest by FastGenConfig.from_mapping
+        values.update(disable=getattr(args, "fastgen_disable", None),
+                      tune=getattr(args, "fastgen_tune", None))
         values.update(_fairseq_flags(lambda name: getattr(args, name, False)))
     return values
 

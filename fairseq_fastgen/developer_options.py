@@ -7,51 +7,40 @@ for an ablation, and each of its knobs set, through two options that take lists
     --fastgen-disable native_step,kv_cache      +fastgen.disable=[native_step,kv_cache]
     --fastgen-tune gemm=onednn,margin_guard=0   configure(tune="continuous_rows=64")
 
-Both expand into fields of :class:`~fairseq_fastgen.config.FastGenConfig` that carry
-``developer`` in their metadata; Hydra and ``configure()`` also take those fields by name.
-An unknown name or a bad value raises :class:`~fairseq_fastgen.config.FastGenConfigError`.
+Both expand into the fields of :class:`~fairseq_fastgen.config.FastGenConfig` that carry
+``developer`` in their metadata (handed in as ``developer``: name -> dataclass field);
+Hydra and ``configure()`` also take those fields by name.  ``disable`` sets an on/off
+field to False and a valued one to the ``off`` value of its metadata (stock's choice).
+An unknown name or a malformed item raises ``ValueError`` naming it.
 """
-from dataclasses import fields
-from typing import Any, Dict, Iterable, List, Union
-
-from .config import FastGenConfig, FastGenConfigError
+from dataclasses import MISSING, Field
+from typing import Any, Dict, Iterable, List, Mapping, Union
 
 Items = Union[None, str, Iterable[str]]
 
-# What ``disable`` sets a non-boolean developer field to (a boolean one is set to False).
-_OFF_VALUES = {"packed_gemm_mb": 0, "margin_guard": 0.0, "ngram_blocker": "stock", "gemm": "mkl"}
 
-
-def developer_fields() -> Dict[str, Any]:
-    """Developer field name -> dataclass field."""
-    return {f.name: f for f in fields(FastGenConfig) if f.metadata.get("developer")}
-
-
-def disable_names() -> List[str]:
+def disable_names(developer: Mapping[str, Field]) -> List[str]:
     """The names ``disable`` takes: every developer field that is on by default."""
-    return [name for name, f in developer_fields().items()
-            if (f.type in (bool, "bool") and f.default) or name in _OFF_VALUES]
+    return [name for name, f in developer.items()
+            if (f.type in (bool, "bool") and f.default) or f.metadata.get("off", MISSING) is not MISSING]
 
 
-def expand(disable: Items = None, tune: Items = None) -> Dict[str, Any]:
+def expand(disable: Items, tune: Items, developer: Mapping[str, Field]) -> Dict[str, Any]:
     """Field values from ``disable`` and ``tune`` items (strings with commas, or lists).
-
-    ``tune`` values stay strings here: :meth:`FastGenConfig.from_mapping` coerces them.
-    """
-    known = developer_fields()
+    ``tune`` values stay strings: the config's validation coerces them."""
+    names = disable_names(developer)
     values: Dict[str, Any] = {}
     for name in _items(disable):
-        if name not in disable_names():
-            raise FastGenConfigError(
-                f"fastgen option 'disable': unknown name {name!r}; known: {', '.join(disable_names())}")
-        values[name] = False if known[name].type in (bool, "bool") else _OFF_VALUES[name]
+        if name not in names:
+            raise ValueError(f"fastgen option 'disable': unknown name {name!r}; known: {', '.join(names)}")
+        f = developer[name]
+        values[name] = False if f.type in (bool, "bool") else f.metadata["off"]
     for item in _items(tune):
         name, sep, value = item.partition("=")
         name = name.strip()
-        if not sep or name not in known:
-            raise FastGenConfigError(
-                f"fastgen option 'tune': {item!r} is not KEY=VALUE with KEY one of "
-                f"{', '.join(known)}")
+        if not sep or name not in developer:
+            raise ValueError(f"fastgen option 'tune': {item!r} is not KEY=VALUE with KEY one of "
+                             f"{', '.join(developer)}")
         values[name] = value.strip()
     return values
 

@@ -13,7 +13,7 @@ from fairseq_fastgen.compare import run_generate, side_by_side
 SHARD = ["--gen-subset", "test1"]  # the first 100 of the 1000 test verses
 
 
-@pytest.mark.parametrize("task", ["es-en", "kjv-web"])
+@pytest.mark.parametrize("task", ["es-en", pytest.param("kjv-web", marks=pytest.mark.long)])
 def test_bundled_generate_lossless_and_bitwise(task):
     b = bundled(task)
     args = b.args + ["--beam", "5", "--batch-size", "32", "--scoring", "sacrebleu"] + SHARD

@@ -61,7 +61,7 @@ def test_split_sample_keeps_every_sentence_and_the_padded_width():
     assert dw.split_sample(sample, 1)[0]["id"] is not None
 
 
-@pytest.mark.parametrize("task", ["es-en", "kjv-web"])
+@pytest.mark.parametrize("task", ["es-en", pytest.param("kjv-web", marks=pytest.mark.long)])
 def test_bundled_decode_workers_lossless(task):
     """12 batches of 8 (the last two cut in halves) over 2 workers: lossless vs stock."""
     args = bundled(task).args + SHARD + ["--beam", "5", "--batch-size", "8",

@@ -7,7 +7,7 @@ import pytest
 
 import fairseq_fastgen
 from fairseq_fastgen import config as fg_config
-from fairseq_fastgen import config_sources, developer_options
+from fairseq_fastgen import config_sources
 from fairseq_fastgen.config import FastGenConfig, FastGenConfigError
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -33,7 +33,7 @@ def test_readme_switch_table_is_the_cli_surface():
 
 def test_every_developer_field_is_documented():
     doc = DOC.read_text()
-    for name in developer_options.developer_fields():
+    for name in FastGenConfig.developer_fields():
         assert f"| `{name}` |" in doc, name
 
 

@@ -74,6 +74,7 @@ def _tiny_lines(path: Path, n: int):
                             + "\n" for _ in range(n)))
 
 
+@pytest.mark.long  # a long input; the ranks' output: the gate's other tests here
 def test_memory_does_not_grow_with_the_input(tiny, tmp_path):
     """20,000 lines against 2,000 under 2 ranks: every line out once, in order; the peak
     resident memory of the run (the launcher and its ranks) within 10%."""

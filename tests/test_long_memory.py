@@ -70,6 +70,7 @@ def test_slope_is_per_10k_sentences_over_the_second_half():
     assert lm.at_fraction(s, n, 0.9) == pytest.approx(100 + 400 * 0.005)
 
 
+@pytest.mark.long  # the script end to end; its arithmetic: the unit tests above
 def test_tiny_end_to_end(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     p = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--stock-threads", "1",

@@ -60,6 +60,7 @@ def test_tiny_random_model_blocks_trigrams(tiny):
         assert any(repeated_trigrams(t) > 0 for t in plain.values())
 
 
+@pytest.mark.long  # the gate's: test_tiny_random_model_blocks_trigrams
 def test_bundled_no_repeat_ngram():
     b = bundled("kjv-web")  # one real model; es-en runs the same code path
     args = [a for a in b.args if a not in ("--post-process", "sentencepiece")]

@@ -1,5 +1,6 @@
 """fairseq-generate under torchrun (2 ranks, gloo, localhost): rank 0 writes what one
-process writes; a rank that fails ends the run."""
+process writes, and that is stock fairseq-generate's output (run in the same test); a rank
+that fails ends the run."""
 import os
 import subprocess
 import sys
@@ -18,11 +19,17 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _both(args, plugin_args=(), env=None):
-    """(one process, two ranks) runs of the plugin; both must succeed."""
+    """(one process, two ranks) runs of the plugin; both must succeed, and the one process
+    must give stock fairseq-generate's output (lossless; bitwise: the same lines)."""
+    stock = run_generate(args, plugin=False, env=env)
     one = run_generate(args, plugin=True, plugin_args=plugin_args, env=env)
     two = run_generate(args, plugin=True, plugin_args=plugin_args, env=env, program=TORCHRUN)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert two.returncode == 0, two.stderr[-3000:]
+    for r in (stock, one, two):
+        assert r.returncode == 0, r.stderr[-3000:]
+    against_stock = compare_outputs(stock.stdout, one.stdout)
+    assert against_stock.lossless, against_stock.differences[:5]
+    if "--fastgen-bitwise" in plugin_args:
+        assert _lines(stock.stdout) == _lines(one.stdout)
     return one, two
 
 
@@ -35,23 +42,24 @@ def _lines(out: str, scores: bool = True):
     return [f[:1] + f[2:] if f[0][:2] in ("H-", "D-") else f for f in cut]
 
 
-@pytest.mark.parametrize("opts", [
+@pytest.mark.parametrize("opts,plugin_opts", [
     # 15 batches (the last one partial, kept): uneven shares, nbest, sacrebleu
-    ["--beam", "5", "--nbest", "2", "--batch-size", "7", "--required-batch-size-multiple", "1",
-     "--scoring", "sacrebleu"],
-    ["--beam", "5", "--batch-size", "16", "--fastgen-bitwise"],
+    (["--beam", "5", "--nbest", "2", "--batch-size", "7", "--required-batch-size-multiple", "1",
+      "--scoring", "sacrebleu"], []),
+    # bitwise ranks: also the gate's test_two_ranks_bitwise_and_results_path (tiny model)
+    pytest.param(["--beam", "5", "--batch-size", "16"], ["--fastgen-bitwise"], marks=pytest.mark.long),
     # continuous batching: a batch held back by a long sentence delays its window
-    ["--beam", "4", "--batch-size", "6", "--required-batch-size-multiple", "1",
-     "--fastgen-continuous", "on", "--fastgen-decode-workers", "1"],
+    (["--beam", "4", "--batch-size", "6", "--required-batch-size-multiple", "1"],
+     ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]),
 ], ids=["nbest-sacrebleu-uneven", "bitwise", "continuous"])
-def test_two_ranks_write_what_one_process_writes(opts, monkeypatch):
+def test_two_ranks_write_what_one_process_writes(opts, plugin_opts, monkeypatch):
     # bitwise ranks take one default process's thread count (every core), whatever
     # torchrun sets OMP_NUM_THREADS to: so the single process gets its default too
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
     b = bundled("es-en")
-    one, two = _both(b.args + ["--gen-subset", "test1"] + opts)
-    if "--fastgen-bitwise" in opts:
+    one, two = _both(b.args + ["--gen-subset", "test1"] + opts, plugin_opts)
+    if "--fastgen-bitwise" in plugin_opts:
         assert _lines(one.stdout) == _lines(two.stdout)  # byte for byte
     cmp = compare_outputs(one.stdout, two.stdout)
     assert cmp.lossless, cmp.differences[:5]
@@ -62,7 +70,7 @@ def test_two_ranks_write_what_one_process_writes(opts, monkeypatch):
     assert score and score == [l for l in two.stdout.splitlines() if l.startswith("Generate test1")]
     assert "torchrun: rank 0 of 2" in two.stderr + two.stdout
     assert "rank 1:" in two.stderr + two.stdout  # rank 0 reports each rank's share and waits
-    if "--fastgen-continuous" in opts:
+    if "--fastgen-continuous" in plugin_opts:
         assert "generate pipeline: continuous batching" in two.stderr
 
 
@@ -70,15 +78,15 @@ def test_two_ranks_bitwise_and_results_path(tiny, tmp_path):
     args = [str(tiny.data), "--path", str(tiny.preln), "--beam", "3", "--max-len-b", "20",
             "--batch-size", "2", "--required-batch-size-multiple", "1"]
     outs = []
-    for name, program in (("one", None), ("two", TORCHRUN)):
+    for name, plugin, program in (("stock", False, None), ("one", True, None), ("two", True, TORCHRUN)):
         d = tmp_path / name
-        r = run_generate(args + ["--results-path", str(d)], plugin=True,
+        r = run_generate(args + ["--results-path", str(d)], plugin=plugin,
                          plugin_args=["--fastgen-bitwise"], program=program)
         assert r.returncode == 0, r.stderr[-3000:]
         assert sorted(os.listdir(d)) == ["generate-test.txt"]
         outs.append((d / "generate-test.txt").read_text())
-    assert _lines(outs[0]) and _lines(outs[0]) == _lines(outs[1])  # byte for byte
-    assert outs[1].count("\nH-") == outs[0].count("\nH-")
+    assert _lines(outs[0]) and _lines(outs[0]) == _lines(outs[1]) == _lines(outs[2])  # byte for byte
+    assert outs[2].count("\nH-") == outs[1].count("\nH-") == outs[0].count("\nH-")
 
 
 def test_two_ranks_quiet_score_over_every_sentence(tiny):

@@ -1,5 +1,6 @@
 """--fastgen-resume-dir: a run killed mid-way and started again with the same command
-writes what an uninterrupted run writes; another command against the directory is an error."""
+writes what an uninterrupted run writes, and that is stock fairseq-generate's output (run
+in the same test); another command against the directory is an error."""
 import os
 import signal
 import subprocess
@@ -30,10 +31,10 @@ def _lines(out: str):
     return [l for l in out.splitlines() if l[:2] in ("S-", "T-", "H-", "D-", "P-")]
 
 
-def _killed_run(args, resume_dir: Path, program=None, threads=None) -> str:
+def _killed_run(args, resume_dir: Path, program=None, threads=None, plugin=()) -> str:
     """Start the run, SIGKILL its whole process group once a window is saved; its stdout."""
-    cmd, env = generate_command(args, plugin=True, plugin_args=["--fastgen-resume-dir", str(resume_dir)],
-                                program=program, threads=threads)
+    cmd, env = generate_command(args, plugin=True, plugin_args=[
+        *plugin, "--fastgen-resume-dir", str(resume_dir)], program=program, threads=threads)
     out = resume_dir.parent / f"{resume_dir.name}.killed.out"
     with open(out, "w") as f:
         p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -51,37 +52,45 @@ def test_killed_run_resumes_to_the_uninterrupted_output(tmp_path, program):
     # byte for byte: one process in bitwise mode (one thread, so that the machine's load
     # cannot stall an OpenMP team); two ranks in lossless mode, one thread each either way
     threads = 1 if program is None else None
-    args = _args(["--fastgen-bitwise"]) if program is None else _args(batch=1)
-    full = run_generate(args, plugin=True, program=program, threads=threads)
-    assert full.returncode == 0, full.stderr[-3000:]
+    args, plugin = (_args(), ["--fastgen-bitwise"]) if program is None else (_args(batch=1), [])
+    stock = run_generate(args, plugin=False, threads=threads)
+    full = run_generate(args, plugin=True, plugin_args=plugin, program=program, threads=threads)
+    assert stock.returncode == 0 and full.returncode == 0, (stock.stderr + full.stderr)[-3000:]
     d = tmp_path / "resume"
-    partial = _killed_run(args, d, program, threads)
+    partial = _killed_run(args, d, program, threads, plugin)
     assert partial.count("\nH-") < full.stdout.count("\nH-")  # killed before the end
-    again = run_generate(args, plugin=True, plugin_args=["--fastgen-resume-dir", str(d)],
+    again = run_generate(args, plugin=True, plugin_args=plugin + ["--fastgen-resume-dir", str(d)],
                          program=program, threads=threads)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resume: " in again.stderr + again.stdout
     assert _lines(again.stdout) == _lines(full.stdout)  # nothing lost, doubled or moved
+    against_stock = compare_outputs(stock.stdout, again.stdout)
+    assert against_stock.lossless, against_stock.differences[:5]
+    if plugin:  # bitwise: stock's lines
+        assert _lines(again.stdout) == _lines(stock.stdout)
     score = [l for l in full.stdout.splitlines() if l.startswith("Generate test1")]
     assert score and score == [l for l in again.stdout.splitlines() if l.startswith("Generate test1")]
     assert again.sentences == full.sentences == 100
     # a finished directory: the same command again decodes nothing and writes it all
-    done = run_generate(args, plugin=True, plugin_args=["--fastgen-resume-dir", str(d)],
+    done = run_generate(args, plugin=True, plugin_args=plugin + ["--fastgen-resume-dir", str(d)],
                         program=program, threads=threads)
     assert done.returncode == 0 and _lines(done.stdout) == _lines(full.stdout)
 
 
-@pytest.mark.parametrize("extra", [[], ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]],
+@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.long),
+                                   ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]],
                          ids=["decoding-workers", "continuous"])
 def test_lossless_mode_resumes_too(tmp_path, extra):
-    args = _args(extra)
-    full = run_generate(args, plugin=True)
+    args = _args()
+    stock = run_generate(args, plugin=False)
+    full = run_generate(args, plugin=True, plugin_args=extra)
     d = tmp_path / "resume"
-    _killed_run(args, d)
-    again = run_generate(args, plugin=True, plugin_args=["--fastgen-resume-dir", str(d)])
+    _killed_run(args, d, plugin=extra)
+    again = run_generate(args, plugin=True, plugin_args=extra + ["--fastgen-resume-dir", str(d)])
     assert again.returncode == 0, again.stderr[-3000:]
-    cmp = compare_outputs(full.stdout, again.stdout)
-    assert cmp.lossless, cmp.differences[:5]
+    for reference in (full, stock):
+        cmp = compare_outputs(reference.stdout, again.stdout)
+        assert cmp.lossless, cmp.differences[:5]
     assert [l.split("\t")[0] for l in _lines(again.stdout)] == \
         [l.split("\t")[0] for l in _lines(full.stdout)]
 

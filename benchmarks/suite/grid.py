@@ -147,9 +147,9 @@ def discover_ablations() -> List[System]:
     """fastgen's ablations: each optimization that ``--fastgen-disable`` switches off (its
     on/off ones, log lines aside), plus bitwise mode, one decoding process and stock's
     n-gram blocker."""
-    from fairseq_fastgen.developer_options import developer_fields
+    from fairseq_fastgen.config import FastGenConfig
 
-    names = [n for n, f in developer_fields().items()
+    names = [n for n, f in FastGenConfig.developer_fields().items()
              if f.type in (bool, "bool") and f.default and n != "log_fallbacks"]
     out = [("fastgen-bitwise", ("--fastgen-bitwise",))]
     out += [(f"fastgen no-{n.replace('_', '-')}", ("--fastgen-disable", n)) for n in sorted(names)]

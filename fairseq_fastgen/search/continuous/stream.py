@@ -8,7 +8,7 @@ on MKL) are done.
 """
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Deque, List, Optional
+from typing import Deque, List, Optional
 
 import torch
 from torch import Tensor
@@ -18,9 +18,6 @@ from . import margins
 from .beams import SlotBeams
 from .inputs import Batch, Feed, Pending, by_batch
 
-if TYPE_CHECKING:
-    from .engine import ContinuousBeamSearch
-
 # margin guard: done sentences held back (in slots' worth) before the ones to decode
 # again are decoded, however few (their batches' encoder output waits with them)
 HOLD_SLOTS = 16
@@ -29,10 +26,11 @@ HOLD_SLOTS = 16
 class StreamRun:
     """The state of one :meth:`ContinuousBeamSearch.run`: slots, beams, batches in flight."""
 
-    def __init__(self, eng: "ContinuousBeamSearch", feed: Feed, margin: float):
+    def __init__(self, eng, feed: Feed, margin: float):
+        """eng: the :class:`~.engine.ContinuousBeamSearch` running; margin: the guard's."""
         self.eng = eng
         self.feed = feed
-        self.margin = margin  # the margin guard's (0: none)
+        self.margin = margin
         self.exhausted = False
         self.order: Deque[Batch] = deque()  # batches not yet handed out, input order
         self.pending: Deque[Pending] = deque()
