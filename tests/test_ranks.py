@@ -49,8 +49,8 @@ def _lines(out: str, scores: bool = True):
     # bitwise ranks: also the gate's test_two_ranks_bitwise_and_results_path (tiny model)
     pytest.param(["--beam", "5", "--batch-size", "16"], ["--fastgen-bitwise"], marks=pytest.mark.long),
     # continuous batching: a batch held back by a long sentence delays its window
-    (["--beam", "4", "--batch-size", "6", "--required-batch-size-multiple", "1"],
-     ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]),
+    pytest.param(["--beam", "4", "--batch-size", "6", "--required-batch-size-multiple", "1"],
+                 ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"], marks=pytest.mark.long),
 ], ids=["nbest-sacrebleu-uneven", "bitwise", "continuous"])
 def test_two_ranks_write_what_one_process_writes(opts, plugin_opts, monkeypatch):
     # bitwise ranks take one default process's thread count (every core), whatever

@@ -77,9 +77,10 @@ def test_killed_run_resumes_to_the_uninterrupted_output(tmp_path, program):
     assert done.returncode == 0 and _lines(done.stdout) == _lines(full.stdout)
 
 
-@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.long),
-                                   ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]],
+# lossless resume in the gate: test_killed_run_resumes_to_the_uninterrupted_output[torchrun-2-ranks]
+@pytest.mark.parametrize("extra", [[], ["--fastgen-continuous", "on", "--fastgen-decode-workers", "1"]],
                          ids=["decoding-workers", "continuous"])
+@pytest.mark.long
 def test_lossless_mode_resumes_too(tmp_path, extra):
     args = _args()
     stock = run_generate(args, plugin=False)

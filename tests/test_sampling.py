@@ -138,6 +138,7 @@ def test_top_p_boundary_draws_are_reported():
     assert "draw(s) so far within 2e-06 of a boundary" in r.stderr
 
 
+@pytest.mark.long  # ranks: test_ranks.py; batch reseeding: test_resume's sampling test
 def test_sampling_same_output_for_one_and_two_ranks(tiny):
     """Under torchrun each batch is reseeded: 1 rank, 2 ranks and one process with
     --fastgen-sampling-seed batch (and its decoding workers) write the same lines."""
