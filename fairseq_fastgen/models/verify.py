@@ -73,11 +73,11 @@ class VerifyDecoder:
     row's length = ``start_pos``) and ``select(rows)`` to drop finished rows.
     """
 
-    def __init__(self, model, vocab_pad: bool = True, packed_gemm_mb: int = 0,
-                 gemm: str = "mkl"):
-        # lossless mode only: a block pass has other GEMM shapes than stock's steps
+    def __init__(self, model, vocab_pad: bool = True, packed_gemm_mb: int = 0):
+        # lossless mode only: a block pass has other GEMM shapes than stock's steps; MKL,
+        # since no margin guard checks a greedy pass (search/continuous/margins.py)
         self.stack = DecoderStack(model, bitwise=False, vocab_pad=vocab_pad,
-                                  packed_gemm_mb=packed_gemm_mb, gemm=gemm)
+                                  packed_gemm_mb=packed_gemm_mb)
         self.model = model
         self.vocab = self.stack.vocab
         self._positions: Optional[Tensor] = None

@@ -57,7 +57,6 @@ class AggressiveDecoding:
     def __init__(self, model, tgt_dict, cfg: FastGenConfig, tunables: Optional[Tunables] = None):
         self.model = model
         self.tunables = tunables or Tunables()
-        # MKL: a greedy pass on oneDNN would go unguarded (search/continuous/margins.py)
         self.vd = VerifyDecoder(model, vocab_pad=cfg.vocab_pad, packed_gemm_mb=cfg.packed_gemm_mb)
         self.stats = AcceptanceStats()
         self.chooser = SpeedChooser()

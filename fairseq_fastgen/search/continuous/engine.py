@@ -131,7 +131,7 @@ class ContinuousBeamSearch:
         if bsz == 0 or self.goes_regular(bsz, prefix, self.capacity or 1):
             return sample, self.regular(sample, prefix) if bsz else []
         again = (sample, prefix, list(range(bsz)), self.gen.forward_encoder(sample["net_input"]))
-        _, reference = next(iter(self.reference().run([again])))
+        (_, reference), = list(self.reference().run([again]))
         run = StreamRun(self, Feed([again]), 0.0)
         (_, other), = list(run.loop())
         if run.sentences:
