@@ -350,7 +350,7 @@ def test_stop_on_signals_raises_once_defers_and_restores():
 
 
 def test_worker_death_names_the_signal():
-    from fairseq_fastgen.tasks.pool import _death
+    from fairseq_fastgen.tasks.workers import death as _death
 
     assert _death(3) == "died with exit code 3"
     assert _death(-9) == "was killed by SIGKILL (exit code -9)"

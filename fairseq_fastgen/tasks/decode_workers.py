@@ -140,19 +140,13 @@ class DecodeJob:
     def continuous(self, log_fallbacks: bool = True):
         """The continuous-batching engine over this job's generator, or None (one log
         line says why) when batches are decoded one at a time."""
-        from ..search.continuous import ContinuousBeamSearch, unsupported
+        from ..search.continuous import ContinuousBeamSearch
 
-        reason = unsupported(self.generator, self.task)
-        if reason is not None:
-            if log_fallbacks and getattr(self.generator, "fastgen", None) is not None:
-                logger.info("continuous batching off: %s; batches decoded one at a time", reason)
-            return None
-
-        def regular(sample, prefix_tokens):
-            return self.task.inference_step(self.generator, self.models, sample,
-                                            prefix_tokens=prefix_tokens)
-
-        return ContinuousBeamSearch(self.generator, regular=regular)
+        engine, reason = ContinuousBeamSearch.for_task(self.task, self.generator)
+        if reason is not None and log_fallbacks and \
+                getattr(self.generator, "fastgen", None) is not None:
+            logger.info("continuous batching off: %s; batches decoded one at a time", reason)
+        return engine
 
     def __call__(self, sample: Dict[str, Any], host_sample: Optional[Dict[str, Any]] = None
                  ) -> Tuple[BatchRecord, DecodeStats]:

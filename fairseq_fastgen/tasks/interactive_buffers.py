@@ -124,18 +124,16 @@ def setup(cfg, stock, use_cuda: bool) -> Namespace:
 
 def continuous_engine(task, generator, cfg):
     """The continuous-batching engine for the buffers' batches, or None (one log line)."""
-    from ..search.continuous import ContinuousBeamSearch, unsupported
+    from ..search.continuous import ContinuousBeamSearch
 
-    reason = unsupported(generator, task, constraints=bool(cfg.generation.constraints))
-    if reason is None:
+    engine, reason = ContinuousBeamSearch.for_task(
+        task, generator, constraints=bool(cfg.generation.constraints))
+    if engine is not None:
         logger.info("fairseq-interactive: continuous batching over each buffer's batches (a "
                     "finished sentence's rows go to the buffer's next sentence)")
-        return ContinuousBeamSearch(generator, regular=lambda sample, prefix: task.inference_step(
-            generator, generator.model.models, sample, prefix_tokens=prefix))
-    fastgen = getattr(generator, "fastgen", None)
-    if fastgen is not None and fastgen.log_fallbacks:
+    elif getattr(generator, "fastgen", None) is not None and generator.fastgen.log_fallbacks:
         logger.info("fairseq-interactive: continuous batching off: %s", reason)
-    return None
+    return engine
 
 
 def buffer_text(s: Namespace, cfg, inputs: List[str], start_id: int) -> Tuple[str, float]:

@@ -88,17 +88,11 @@ def _refuse_under_torchrun(cfg) -> None:
 
 
 def _exchange(mine: List[Optional[str]], ranks: ranks_mod.Ranks, group) -> List[Optional[str]]:
-    """Every rank's texts of the window to rank 0, written there in buffer order (round
-    by round, rank by rank).  Collective.  Returns the emptied list."""
-    import torch.distributed as dist
-
-    gathered = [None] * ranks.world if ranks.leader else None
-    dist.gather_object(mine, gathered, dst=0, group=group)
+    """Every rank's texts of the window written by rank 0 in buffer order.  Collective.
+    Returns the emptied list."""
+    ordered = ranks_mod.gather_ordered(mine, ranks, group)
     if ranks.leader:
-        for j in range(max(len(g) for g in gathered)):
-            for part in gathered:
-                if j < len(part) and part[j] is not None:
-                    sys.stdout.write(part[j])
+        sys.stdout.write("".join(ordered))
         sys.stdout.flush()
     return []
 

@@ -22,11 +22,8 @@ import functools
 import logging
 import multiprocessing as mp
 import os
-import queue
-import signal
 import sys
 import time
-import traceback
 from argparse import Namespace
 from typing import List, Optional, Tuple
 
@@ -34,8 +31,9 @@ import torch
 
 from .. import drops
 from . import decode_workers, interactive_buffers, interactive_ranks, lifecycle, ranks as ranks_mod
+from . import workers as workers_mod
 from .interactive_buffers import buffer_text, check, setup
-from .pool import PipelineWorkerError
+from .workers import PipelineWorkerError
 
 logger = logging.getLogger("fairseq_cli.interactive")
 
@@ -86,32 +84,24 @@ def run(cfg, stock, workers: int) -> None:
     per = max(1, threads // workers)
     ctx = mp.get_context("fork")
     queues = [ctx.Queue(maxsize=QUEUED) for _ in range(workers)]
-    procs = [ctx.Process(target=_work, name=f"fastgen-dec-{w}", daemon=True,
-                         args=(s, cfg, w, workers, queues[w], os.getpid(), per))
-             for w in range(workers)]
     logger.info("fairseq-interactive: %d decoding worker(s) x %d torch thread(s); buffer i "
                 "translated by worker i mod %d", workers, per, workers)
+    procs = []
     with lifecycle.StopOnSignals():
-        for p in procs:
-            p.start()
         try:
+            for w in range(workers):
+                procs.append(workers_mod.start(_work, f"fastgen-dec-{w}",
+                                               (s, cfg, w, workers, queues[w], os.getpid(), per)))
             seconds = _write_in_order(queues, procs)
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
+            workers_mod.stop(procs)
     torch.set_num_threads(threads)
     logger.info("Total time: {:.3f} seconds; translation time: {:.3f}".format(
         time.time() - start_time, seconds))
 
 
 def _work(s, cfg, w: int, n: int, out, parent_pid: int, threads: int) -> None:
-    lifecycle.die_with_parent(parent_pid)
-    lifecycle.set_process_name(mp.current_process().name)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    torch.set_num_threads(threads)
+    workers_mod.enter(parent_pid, threads)
     i = start_id = 0  # i: the buffer being read (at the end: how many there were)
     try:
         for inputs in s.stock.buffered_read(cfg.interactive.input, cfg.interactive.buffer_size):
@@ -123,7 +113,7 @@ def _work(s, cfg, w: int, n: int, out, parent_pid: int, threads: int) -> None:
     except SystemExit as e:  # stock's usage-style errors (an undecodable line)
         out.put(("exit", i, str(e.code), 0.0))
     except BaseException:  # noqa: BLE001 - reported by the main process
-        out.put(("error", i, traceback.format_exc(), 0.0))
+        out.put(("error", i, workers_mod.failure(), 0.0))
     out.close()
     out.join_thread()
 
@@ -135,9 +125,9 @@ def _write_in_order(queues, procs: List) -> float:
     i = 0
     while True:
         w = i % len(queues)
-        kind, at, payload, seconds = _checked(_next(queues[w], procs[w]), procs[w])
+        kind, at, payload, seconds = _checked(_next(queues[w], procs[w]))
         if kind == "end":  # every worker's next message is its end: their skipped lines
-            shares = [payload] + [_checked(_next(q, p), p)[2]
+            shares = [payload] + [_checked(_next(q, p))[2]
                                   for q, p in zip(queues, procs) if q is not queues[w]]
             drops.merge(shares)
             return total
@@ -148,27 +138,17 @@ def _write_in_order(queues, procs: List) -> float:
         i += 1
 
 
-def _checked(msg, proc):
+def _checked(msg):
     """``msg`` unless it reports a worker's error (raised here)."""
     kind, at, payload, _ = msg
     if kind == "exit":
         raise SystemExit(payload)
     if kind == "error":
-        raise PipelineWorkerError(f"fairseq-fastgen interactive: decoding worker {proc.name} "
-                                  f"raised at buffer {at}:\n{payload}")
+        raise PipelineWorkerError(f"fairseq-fastgen interactive: decoding worker raised at "
+                                  f"buffer {at}: {payload}")
     return msg
 
 
 def _next(q, proc):
     """The next message of ``proc``; an error as soon as it is dead without one."""
-    while True:
-        try:
-            return q.get(timeout=0.5)
-        except queue.Empty:
-            if not proc.is_alive():
-                code = proc.exitcode
-                how = (f"was killed by {signal.Signals(-code).name}" if code and code < 0
-                       else f"exited with status {code}")
-                raise PipelineWorkerError(
-                    f"fairseq-fastgen interactive: decoding worker {proc.name} (pid "
-                    f"{proc.pid}) {how} (exit code {code})") from None
+    return workers_mod.receive(q, [proc], "interactive")

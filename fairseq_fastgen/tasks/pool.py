@@ -15,15 +15,14 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import signal
-import traceback
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import decode_workers, lifecycle
+from . import lifecycle, workers
 from .records import WorkerResult
 from .text import WorkerState, process_batch
+from .workers import PipelineWorkerError  # noqa: F401 (the error callers catch)
 
 WORKER_NICE = 10  # niceness increment of workers when decoding uses every core
 
@@ -62,23 +61,9 @@ def freeze_for_fork() -> bool:
     return True
 
 
-class PipelineWorkerError(RuntimeError):
-    """A decoding or postprocessing worker raised or died."""
-
-
-def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nice: int,
+def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, nice: int,
                  job=None, threads: int = 1, fault: Fault = None, engine=None):
-    # First of all: die with the main process, however it ends (see lifecycle).
-    lifecycle.die_with_parent(parent_pid)
-    lifecycle.set_process_name(mp.current_process().name)  # what ps and errors call us
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the run's handler, inherited by fork
-    torch.set_num_threads(threads)
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError:  # pragma: no cover
-            pass
+    workers.enter(parent_pid, threads, nice)
     if engine is not None:  # continuous batching over the batches this worker takes
         from .stream_worker import stream_loop
 
@@ -108,8 +93,7 @@ def _worker_loop(st: WorkerState, tasks, results, parent_pid: int, wid: int, nic
                 result = WorkerResult(process_batch(st, rec), rec.scoring_inputs(), stats)
             results.put((idx, True, result))
         except BaseException:
-            where = f"{mp.current_process().name} (pid {os.getpid()})"
-            results.put((idx, False, f"{where}:\n{traceback.format_exc()}"))
+            results.put((idx, False, workers.failure()))
             return
 
 
@@ -151,12 +135,10 @@ class Pool:
         self.kind = "postprocessing worker" if job is None else "decoding worker"
         try:
             for wid in range(n_workers):
-                p = ctx.Process(target=_worker_loop, name=f"fastgen-{kind}-{wid}",
-                                args=(state, self.tasks, self.results, os.getpid(), wid,
-                                      nice, job, threads, fault, engine),
-                                daemon=True)
-                p.start()
-                self.procs.append(p)
+                self.procs.append(workers.start(
+                    _worker_loop, f"fastgen-{kind}-{wid}",
+                    (state, self.tasks, self.results, os.getpid(), nice, job, threads, fault,
+                     engine)))
         except BaseException:  # no pool for the caller to close: end what started, unfreeze
             self.close(abort=True)
             raise
@@ -190,17 +172,20 @@ class Pool:
         while True:
             try:
                 if block:
-                    item = self.results.get(timeout=0.2)
+                    item = workers.receive(self.results, self.procs, "generate pipeline",
+                                           timeout=0.2)
                 else:
                     item = self.results.get_nowait()
             except queue.Empty:
-                if not block:
-                    return
-                self._check_alive()
-                continue
+                return
+            except PipelineWorkerError as e:
+                raise PipelineWorkerError(f"{e}; stopping ({self.submitted - self.written} "
+                                          f"batch(es) not written)") from None
             idx, ok, result = item
             if not ok:
-                raise self._failed(idx, result)
+                raise PipelineWorkerError(
+                    f"fairseq-fastgen generate pipeline: a {self.kind} failed on batch "
+                    f"{idx}; stopping.\n{result}")
             self.pending[idx] = result
             progressed = False
             while self.written in self.pending:
@@ -213,25 +198,10 @@ class Pool:
                 return
 
     def _check_alive(self) -> None:
-        for p in self.procs:
-            if p.exitcode is not None:
-                while True:  # a worker that raised has sent its traceback before exiting
-                    try:
-                        idx, ok, result = self.results.get(timeout=0.5)
-                    except queue.Empty:
-                        break
-                    if not ok:
-                        raise self._failed(idx, result)
-                    self.pending[idx] = result
-                raise PipelineWorkerError(
-                    f"fairseq-fastgen generate pipeline: {self.kind} {p.name} "
-                    f"(pid {p.pid}) {_death(p.exitcode)}; stopping "
-                    f"({self.submitted - self.written} batch(es) not written)")
-
-    def _failed(self, idx: int, trace: str) -> PipelineWorkerError:
-        return PipelineWorkerError(
-            f"fairseq-fastgen generate pipeline: a {self.kind} failed on batch {idx}; "
-            f"stopping.\n{trace}")
+        """A dead worker stops the run now, not when its batch is waited for."""
+        if any(p.exitcode is not None for p in self.procs):
+            while True:  # what it sent first; then its failure, or how it died, raises
+                self._collect(block=True)
 
     def close(self, abort: bool = False) -> None:
         """Stop the workers: after their queued batches, or at once (``abort``)."""
@@ -244,28 +214,7 @@ class Pool:
                         pass
             for p in self.procs:
                 p.join(timeout=5.0)
-        for p in self.procs:  # SIGTERM to all, then wait: ~2 s at most, not 2 s per worker
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(timeout=2.0)
-            if p.is_alive():  # pragma: no cover - a worker stuck in the kernel
-                p.kill()
-                p.join(timeout=1.0)
-        for q in (self.tasks, self.results):
-            q.cancel_join_thread()
-            q.close()
+        workers.stop(self.procs, (self.tasks, self.results))
         if self.froze:  # the workers are gone: the main process collects all again
             gc.unfreeze()
             self.froze = False
-
-
-def _death(exitcode: int) -> str:
-    """How a worker ended, from ``Process.exitcode`` (negative: the signal that killed it)."""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name} (exit code {exitcode})"
-    return f"died with exit code {exitcode}"

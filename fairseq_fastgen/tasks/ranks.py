@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -132,6 +132,23 @@ def planted_fault(ranks: Ranks) -> None:
         raise RuntimeError(f"planted fault on rank {ranks.rank} ({FAULT_ENV})")
 
 
+def gather_ordered(mine: List[Any], ranks: Ranks, group) -> Optional[List[Any]]:
+    """Every rank's window of items to rank 0, in the order one process has them: round j
+    of every rank before round j + 1, rank by rank (global item ``j * N + r``); a rank's
+    None (a round with nothing of its) is left out.  Collective; None on the other ranks."""
+    import torch.distributed as dist
+
+    if ranks.world == 1:
+        gathered = [mine]
+    else:
+        gathered = [None] * ranks.world if ranks.leader else None
+        dist.gather_object(mine, gathered, dst=0, group=group)
+    if not ranks.leader:
+        return None
+    return [part[j] for j in range(max(len(p) for p in gathered)) for part in gathered
+            if j < len(part) and part[j] is not None]
+
+
 class Exchange:
     """Stands in for the :class:`Writer` on every rank: keeps this rank's written batches,
     hands them to rank 0 a window at a time, where ``writer`` writes them in order."""
@@ -153,27 +170,18 @@ class Exchange:
         """One window: has_record[j] says whether local batch j wrote a record (the
         padding batches, and batches without input, do not).  Collective: every rank
         calls it for the same windows."""
-        import torch.distributed as dist
-
         n = sum(has_record)
         mine, self.records = self.records[:n], self.records[n:]
         assert len(mine) == n, f"rank {self.ranks.rank}: {len(mine)} of {n} batches written"
         it = iter(mine)
         payload = [next(it) if has else None for has in has_record]
         t0 = time.perf_counter()
-        if self.ranks.world == 1:
-            gathered = [payload]
-        else:
-            gathered = [None] * self.ranks.world if self.ranks.leader else None
-            dist.gather_object(payload, gathered, dst=0, group=self.group)
+        ordered = gather_ordered(payload, self.ranks, self.group)
         dt = time.perf_counter() - t0
         self.waited += dt
         if last:
             self.waited_end = dt
         if self.ranks.leader:
-            ordered = [part[j] for j in range(max(len(p) for p in gathered))
-                       for part in gathered  # global batch j * N + r
-                       if j < len(part) and part[j] is not None]
             if self.resume is not None:
                 self.resume.save(self.index, ordered)  # durable before it is written
             for rec in ordered:

@@ -17,16 +17,13 @@ A batch's ``DecodeStats.seconds`` is the worker's time since its previous batch 
 out, the time it waited for input excluded (batches in flight share steps, so a batch
 has no decoding time of its own); their sum is the worker's busy time.
 """
-import multiprocessing as mp
-import os
 import pickle
 import queue
 import time
-import traceback
 from collections import deque
 from typing import Any, Deque, Dict, Optional, Tuple
 
-from . import lifecycle
+from . import lifecycle, workers
 from .records import DecodeStats, WorkerResult
 from .text import process_batch
 
@@ -101,6 +98,5 @@ def stream_loop(st, tasks, results, parent_pid: int, job, engine, fault=None) ->
     except Orphaned:
         results.cancel_join_thread()
     except BaseException:
-        where = f"{mp.current_process().name} (pid {os.getpid()})"
         idx = feed.open[0] if feed.open else -1
-        results.put((idx, False, f"{where}:\n{traceback.format_exc()}"))
+        results.put((idx, False, workers.failure()))

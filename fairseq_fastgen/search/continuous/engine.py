@@ -84,6 +84,21 @@ class ContinuousBeamSearch:
                         "measured on the first batch is decoded again on MKL "
                         "(--fastgen-tune margin_guard)", self.multiple)
 
+    @classmethod
+    def for_task(cls, task, generator, constraints: bool = False
+                 ) -> Tuple[Optional["ContinuousBeamSearch"], Optional[str]]:
+        """(the engine over ``generator``'s batches of ``task``, None), or (None, why it
+        does not serve them); batches it passes on go to ``task.inference_step``."""
+        reason = unsupported(generator, task, constraints=constraints)
+        if reason is not None:
+            return None, reason
+
+        def regular(sample, prefix_tokens):
+            return task.inference_step(generator, generator.model.models, sample,
+                                       prefix_tokens=prefix_tokens)
+
+        return cls(generator, regular=regular), None
+
     def reference(self) -> "ContinuousBeamSearch":
         """The engine on MKL, stock's kernel (the margin guard's second decoding)."""
         if self._reference is None:
