@@ -51,8 +51,8 @@ IMPLEMENTATIONS = {
         ("slot_beams_step (C++)", "csrc/slot_beams.cpp", r"slot_beams_step\("),
     ]),
     "candidate roles": (1, [
-        ("margins.py (Python)", "search/continuous/margins.py", r"def tight_slots\("),
-        ("decision_margins.cpp (C++)", "csrc/decision_margins.cpp", r"Tensor slot_margins\("),
+        ("the beam step (beams.py, its C++ twin slot_beams.cpp)", "search/continuous/beams.py",
+         r"roles\.scatter_add_\("),
     ]),
 }
 PYTHON_LINES = 8000

@@ -10,10 +10,15 @@ files.  The child is a full ``fairseq-generate`` process minus the import time; 
 (``os.wait4``) includes the inherited imports, as a fresh process's would.  CPU only: nothing
 here initializes CUDA or an OpenMP pool before forking (both are not fork-safe).
 
-Protocol: one JSON request per stdin line ``{"argv": [...], "stdout": path, "stderr": path}``;
-one JSON reply per stdout line ``{"code": int, "maxrss_mb": float, "wall": float}``.
+Protocol: one JSON request per stdin line ``{"argv": [...], "stdout": path, "stderr": path}``
+and optionally ``"stdin": path`` (default: /dev/null) and ``"env": {...}`` (the child's whole
+environment; its ``OMP_NUM_THREADS`` sets the child's torch threads, as it would a fresh
+process's); one JSON reply per stdout line ``{"code": int, "maxrss_mb": float, "wall": float}``.
 
-    python benchmarks/fork_server.py stock|plugin|fixed
+    python benchmarks/fork_server.py stock|plugin|fixed [generate|interactive]
+
+The second argument picks the CLI (default generate); one server serves one, since each
+configures logging as it is imported.
 """
 import argparse
 import json
@@ -28,8 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = str(ROOT / "fairseq_fastgen")
 
 
-def _prepare(mode: str) -> None:
-    import fairseq_cli.generate  # noqa: F401  (the import being amortized)
+def _prepare(mode: str, entry: str) -> None:
+    import importlib
+
+    importlib.import_module(f"fairseq_cli.{entry}")  # the import being amortized
     from fairseq import utils
 
     if mode in ("plugin", "stock-routed"):
@@ -44,22 +51,31 @@ def _prepare(mode: str) -> None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-def _child(req) -> None:
+def _child(req, entry: str) -> None:
     code = 0
     try:
+        if "env" in req:
+            os.environ.clear()
+            os.environ.update(req["env"])
+            if req["env"].get("OMP_NUM_THREADS"):
+                import torch
+
+                torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
         out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)
         os.dup2(err, 2)
         os.close(out)
         os.close(err)
-        sys.stdin = open(os.devnull)
-        sys.argv = ["fairseq-generate", *req["argv"]]
-        from fairseq_cli.generate import cli_main
+        sys.stdin = open(req.get("stdin") or os.devnull)
+        sys.argv = [f"fairseq-{entry}", *req["argv"]]
+        import importlib
 
-        cli_main()
+        importlib.import_module(f"fairseq_cli.{entry}").cli_main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)  # as the interpreter prints sys.exit("message")
     except BaseException:  # noqa: BLE001  (report like an uncaught exception would)
         import traceback
 
@@ -67,17 +83,20 @@ def _child(req) -> None:
         code = 1
     finally:
         try:
+            import atexit
+
+            atexit._run_exitfuncs()  # as at a fresh process's exit (multiprocessing's, logging's)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
 
 
-def serve(mode: str) -> None:
+def serve(mode: str, entry: str = "generate") -> None:
     # replies go to the original stdout; anything the imports print goes to stderr
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    _prepare(mode)
+    _prepare(mode, entry)
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -85,7 +104,7 @@ def serve(mode: str) -> None:
         t0 = time.perf_counter()
         pid = os.fork()
         if pid == 0:
-            _child(req)
+            _child(req, entry)
         _, status, usage = os.wait4(pid, 0)
         reply.write(json.dumps(dict(code=os.waitstatus_to_exitcode(status),
                                     maxrss_mb=usage.ru_maxrss / 1024,
@@ -94,4 +113,4 @@ def serve(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(*sys.argv[1:3])

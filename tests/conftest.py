@@ -23,6 +23,24 @@ import factory  # noqa: E402
 BUNDLE = ROOT / "examples" / "bible" / "bundle"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forked_cli_runs():
+    """CLI runs forked from import servers (tests/forked_runs.py), unless turned off."""
+    from fairseq_fastgen import compare
+    from forked_runs import OFF, ForkedRuns
+
+    if os.environ.get(OFF) == "1":
+        yield None
+        return
+    runs = ForkedRuns(compare.run_measured)
+    compare.run_measured = runs
+    try:
+        yield runs
+    finally:
+        compare.run_measured = runs.fresh
+        runs.close()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Synthetic translation data and random-weight checkpoints of several shapes."""

@@ -109,7 +109,7 @@ def test_generation_on_onednn_matches_stock(tiny, which):
         assert engine.onednn and engine.multiple > 0
         for (_, hypos), e in zip(engine.run(iter([(b, None) for b in samples])), expected):
             assert_same_hypos(e, hypos, bitwise=False)
-    assert not fast._decoders()[0].stack.onednn
+    assert not fast.decoders()[0].stack.onednn
 
 
 @needs_onednn
@@ -137,7 +137,7 @@ def test_bitwise_mode_never_uses_onednn(tiny):
     stock, fast = generators(task, models, ONEDNN.replace(bitwise=True), beam=4, max_len_b=20)
     for b in batches(task, cfg, 5, limit=2):
         assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=True)
-    assert not fast._decoders()[0].stack.onednn
+    assert not fast.decoders()[0].stack.onednn
 
 
 def test_cli_flag_and_log_line(tiny):

@@ -158,7 +158,7 @@ def test_cross_attention_cache_is_per_sentence(tiny):
     enc = models[0].encoder.forward_torchscript(b["net_input"])
     for mode, copies in ((LOSSLESS, 1), (BITWISE, 5)):
         _, fast = generators(task, models, mode, beam=5, max_len_b=5)
-        dec = fast._decoders()[0]
+        dec = fast.decoders()[0]
         dec.start(enc, bsz, 5, 10)
         for cross in dec.cross:
             # lossless: one copy per sentence; bitwise keeps fairseq's per-hypothesis

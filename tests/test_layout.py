@@ -133,3 +133,23 @@ def test_fairseq_patched_only_in_install():
                 if isinstance(root, ast.Name) and root.id in fairseq_names:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_implementation_counts_follow_the_code(tmp_path):
+    """benchmarks/count_implementations.py: every implementation it lists is still where it
+    says (a stale anchor fails), and the counts it reports are the package's."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "count_implementations", ROOT / "benchmarks" / "count_implementations.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "counts.json"
+    assert mod.main(["--json", str(out)]) == 0  # 2: a stale anchor
+    counts = json.loads(out.read_text())
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in PKG.rglob("*.py"))
+    assert counts["python lines"]["count"] == lines
+    assert counts["user switches"]["count"] <= 12
+    assert counts["decoder-step drivers"]["count"] >= 3  # stock's, the reference, one fast
+    assert counts["candidate roles"]["count"] == 1

@@ -16,6 +16,7 @@ from fairseq_fastgen.models import gemm_kernel, native_step
 from fairseq_fastgen.search.continuous import ContinuousBeamSearch
 from fairseq_fastgen.search.continuous import engine as eng, stream
 from fairseq_fastgen.search.continuous import margins
+from fairseq_fastgen.search.continuous.beams import SlotBeams
 
 needs_onednn = pytest.mark.skipif(not gemm_kernel.available(),
                                   reason="this torch build has no oneDNN linear op")
@@ -23,21 +24,32 @@ EOS = 2
 NEG = float("-inf")
 
 
-def _tight(scores, words, ignore=None, fin=0, at_limit=False, margin=1e-3, k=2, native=None):
-    cs = torch.tensor([scores], dtype=torch.float32)
+def _beams(k, native, slots=1, width=12):
+    b = SlotBeams(k, EOS, 1, True, 1.0, False, "cpu", native=native)
+    b.ensure(slots, width)
+    return b
+
+
+def _tight(scores, words, ignore=None, fin=0, at_limit=False, margin=1e-3, k=2, native=False):
+    """Whether the beam step of one slot with these candidates (best first) was tight."""
+    b = _beams(k, native)
+    b.ignore[0] = torch.tensor(ignore or [False] * k)
+    b.fin_count[0] = fin
     cw = torch.tensor([words], dtype=torch.long)
-    ig = torch.tensor([ignore or [False] * k])
-    return bool(margins.tight_slots(cs, cw, ig, torch.tensor([fin]), torch.tensor([at_limit]),
-                                    EOS, 2 * k, margin, native)[0])
+    cand = (torch.tensor([scores], dtype=torch.float32), cw, torch.zeros_like(cw))
+    b._candidates = lambda *a: cand
+    steps = torch.tensor([3])
+    out = b.step(torch.zeros(k, 20), steps, steps.eq(0), steps, margin, torch.tensor([at_limit]))
+    return bool(out.tight[0])
 
 
 @pytest.mark.parametrize("native", [False, True])
 def test_which_comparisons_count(native):
-    """k = 2, four deciding candidates and the next one."""
-    mod = native_step.load() if native else None
-    if native and mod is None:
+    """k = 2, four deciding candidates and the next one; the roles as the beam step
+    (Python, or its C++ twin) assigns them."""
+    if native and native_step.load() is None:
         pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
-    t = lambda *a, **kw: _tight(*a, native=mod, **kw)  # noqa: E731
+    t = lambda *a, **kw: _tight(*a, native=native, **kw)  # noqa: E731
     # two taken hypotheses close together: their order does not matter
     assert not t([-1.0, -1.0001, -3, -4, -5], [5, 6, 7, 8, 9])
     # the second taken one and the first dropped one close: it does
@@ -62,9 +74,10 @@ def test_which_comparisons_count(native):
     assert not t([-1.0, -1.5, -1.5015, -4, -5], [5, 6, 7, 8, 9])
 
 
-def test_native_and_python_rules_agree():
-    mod = native_step.load()
-    if mod is None:
+def test_native_and_python_roles_agree():
+    """The C++ beam step assigns every candidate the Python step's role, bit for bit, and
+    so flags the same slots."""
+    if native_step.load() is None:
         pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
     g = torch.Generator().manual_seed(0)
     for k in (1, 2, 5):
@@ -76,14 +89,29 @@ def test_native_and_python_rules_agree():
             cs = cs.sort(1, descending=True).values
             cw = torch.randint(0, 6, (s, width), generator=g)
             cw[cw == 1] = EOS
-            ig = torch.rand(s + 3, k, generator=g) < 0.1
-            fc = torch.randint(0, k + 1, (s + 3,), generator=g)
+            cb = torch.randint(0, k, (s, width), generator=g)
+            ig = torch.rand(s, k, generator=g) < 0.1
+            fc = torch.randint(0, k + 1, (s,), generator=g)
             al = torch.rand(s, generator=g) < 0.2
+            steps = torch.randint(1, 10, (s,), generator=g)
             for m in (1e-4, 3e-3):
-                py = margins.tight_slots(cs, cw, ig, fc, al, EOS, 2 * k, m, None)
-                cc = margins.tight_slots(cs, cw, ig, fc, al, EOS, 2 * k, m, mod)
-                assert torch.equal(py, cc), (k, width, m)
-                assert 0 < int(py.sum()) < s
+                got = []
+                for native in (False, True):
+                    b = _beams(k, native, s)
+                    b.ignore.copy_(ig)
+                    b.fin_count.copy_(fc)
+                    cand = (cs, cw, cb)
+                    b._candidates = lambda *a, cand=cand: tuple(t.clone() for t in cand)
+                    roles = b._decide(*(t[:, :2 * k].clone() for t in cand), steps, steps)[2]
+                    b.ignore.copy_(ig)
+                    b.fin_count.copy_(fc)
+                    lp = torch.zeros(s * k, width if width > 2 * k else 2 * k)
+                    got.append((roles, b.step(lp, steps, steps.eq(0), steps, m, al)))
+                (py_roles, py), (cc_roles, cc) = got
+                assert torch.equal(py_roles, cc_roles), (k, width)
+                assert torch.equal(py.tight, cc.tight) and torch.equal(py.order, cc.order)
+                assert torch.equal(py.had_eos, cc.had_eos)
+                assert 0 < int(py.tight.sum()) < s
 
 
 def test_finished_hypotheses_too_close():
@@ -190,7 +218,7 @@ def test_auto_runs_the_batch_path_on_mkl_and_the_engine_as_measured(tiny, monkey
         monkeypatch.setattr(DecoderStack, "onednn_serves", lambda self, mode, f=faster: (
             mode == "onednn" or f) and gemm_kernel.available())
         _, fast = generators(task, models, FastGenConfig(), beam=4, max_len_b=20)
-        assert not fast._decoders()[0].stack.onednn  # batch at a time: stock's kernel
+        assert not fast.decoders()[0].stack.onednn  # batch at a time: stock's kernel
         engine = ContinuousBeamSearch(fast)
         engine.prepare()
         want = faster and gemm_kernel.available()
@@ -198,7 +226,7 @@ def test_auto_runs_the_batch_path_on_mkl_and_the_engine_as_measured(tiny, monkey
         assert engine.margin == (None if want else 0.0)  # None: measured on the first batch
         assert all(d.stack.onednn == want for d in engine.decoders)
         # the twin shares the weight copies
-        assert engine.decoders[0].stack.layers[0].fc1.wt is fast._decoders()[0].stack.layers[0].fc1.wt
+        assert engine.decoders[0].stack.layers[0].fc1.wt is fast.decoders()[0].stack.layers[0].fc1.wt
     _, fast = generators(task, models, FastGenConfig(margin_guard=0), beam=4, max_len_b=20)
     assert not ContinuousBeamSearch(fast).onednn  # unguarded oneDNN only when asked for
 

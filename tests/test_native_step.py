@@ -149,8 +149,8 @@ def test_bundled_model_generation_same_with_and_without(caplog):
             assert_same_hypos(p, r, bitwise=True)  # native == Python step, bit for bit
     finally:
         torch.set_num_threads(1)
-    assert fast._decoders()[0]._native is not None
-    assert py._decoders()[0]._native is None
+    assert fast.decoders()[0]._native is not None
+    assert py.decoders()[0]._native is None
 
 
 @needs_native
@@ -170,7 +170,7 @@ def test_bundled_model_kv_reuse_and_native_candidates_lossless():
             s = stock.generate(models, b)
             assert_same_hypos(s, fast.generate(models, b), bitwise=False)
             assert_same_hypos(s, off.generate(models, b), bitwise=False)
-            ptrs.append(fast._decoders()[0].self_kv[0].k.data_ptr())
+            ptrs.append(fast.decoders()[0].self_kv[0].k.data_ptr())
     assert ptrs[1] == ptrs[0]  # the batch of 3 decoded in the batch of 12's buffers
 
 
@@ -185,13 +185,13 @@ def test_unsupported_models_and_modes_run_the_python_step(tiny, caplog):
             for b in batches(task, cfg, 4, limit=2):
                 assert_same_hypos(stock.generate(models, b), fast.generate(models, b),
                                   bitwise=False)
-        assert fast._decoders()[0]._native is None
+        assert fast.decoders()[0]._native is None
         assert "native decoder step off (activation tanh)" in caplog.text
     finally:
         layer.activation_fn = saved
     _, bitwise = generators(task, models, FastGenConfig(bitwise=True), beam=3)
     bitwise.prepare()
-    assert bitwise._decoders()[0]._native is None
+    assert bitwise.decoders()[0]._native is None
 
 
 def test_without_a_compiler_the_python_step_serves(tiny, caplog, monkeypatch):

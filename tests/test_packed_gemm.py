@@ -83,7 +83,7 @@ def test_packed_generation_matches_stock(tiny, which, monkeypatch):
     for bsz in (1, 7):
         for b in batches(task, cfg, bsz, limit=3):
             assert_same_hypos(stock.generate(models, b), fast.generate(models, b), bitwise=False)
-    stack = fast._decoders()[0].stack
+    stack = fast.decoders()[0].stack
     assert stack.layers[0].fc1.packs.packs, "no row count was packed"
 
 
@@ -94,6 +94,6 @@ def test_bitwise_and_zero_budget_never_pack(tiny):
         for b in batches(task, cfg, 5, limit=2):
             assert_same_hypos(stock.generate(models, b), fast.generate(models, b),
                               bitwise=fg.bitwise)
-        stack = fast._decoders()[0].stack
+        stack = fast.decoders()[0].stack
         assert all(not getattr(p, "packs", RowPacks(0)).packs
                    for l in stack.layers for p in (l.qkv, l.fc1, l.fc2, l.sa_out))

@@ -160,6 +160,8 @@ def _timing_row(rs: Sequence[dict], limit_s: float) -> dict:
                peak_rss_mb=max(r["peak_rss_mb"] for r in rs),
                peak_gpu_mb=max((r.get("peak_gpu_mb") or 0) for r in rs) or None,
                repeats=len(rs), gen_s_all=[r["gen_time"] for r in rs])
+    if rs[0].get("threads"):  # CTranslate2: its fastest thread setting (ct2_worker.py)
+        row["ct2_threads"] = sorted({r["threads"] for r in rs})
     row["sent_per_s"] = row["sentences"] / tmin if tmin else None
     row["tok_per_s"] = row["tokens"] / tmin if tmin else None
     row["x_limit"] = tmin / limit_s if tmin else None

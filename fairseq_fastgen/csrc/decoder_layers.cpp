@@ -261,12 +261,10 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
 
 void register_beam_candidates(pybind11::module& m);  // beam_candidates.cpp
 void register_slot_beams(pybind11::module& m);  // slot_beams.cpp
-void register_decision_margins(pybind11::module& m);  // decision_margins.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_beam_candidates(m);
   register_slot_beams(m);
-  register_decision_margins(m);
   m.def("layers_step", &layers_step, "fairseq_fastgen decoder layers, one incremental step");
   m.attr("WEIGHTS_PER_LAYER") = static_cast<int>(kWeights);
 }

@@ -11,7 +11,9 @@
 //    normalizing, -inf past the source length with --match-source-len;
 //  * the next hypotheses: the first k candidates that are not eos-or-ignored, then the
 //    rest in order (the active_mask top-k); ignore[i] says which were taken from the rest;
-//    tokens/scores rows follow their hypotheses, and the chosen word and score are set.
+//    tokens/scores rows follow their hypotheses, and the chosen word and score are set;
+//  * each candidate's role, as bits (the margin guard reads them: margins.py): 1
+//    finalized, 2 taken as a next hypothesis.
 // The arithmetic is the Python's operation for operation (float32 adds and divisions),
 // so the results are bitwise the same.
 #include <torch/extension.h>
@@ -35,8 +37,9 @@ void check(const Tensor& t, at::ScalarType type, const char* name) {
 // them (tokens (>= s*k, L+2) int64, scores (>= s*k, L+1) float32, ignore (>= s, k) bool,
 // fin_tokens (>= s, k, L+1) int64, fin_pos (>= s, k, L+1) float32, fin_score (>= s, k)
 // float32, fin_len (>= s, k) int64, fin_count (>= s,) int64), updated in place.
-// Returns order (s*k,) int64 (the row each next hypothesis continues) and had_eos (s,).
-std::tuple<Tensor, Tensor> slot_beams_step(
+// Returns order (s*k,) int64 (the row each next hypothesis continues), had_eos (s,) and
+// roles (s, C) int8.
+std::tuple<Tensor, Tensor, Tensor> slot_beams_step(
     const Tensor& cand_scores_in, const Tensor& cand_words_in, const Tensor& cand_beams_in,
     const Tensor& steps_in, const Tensor& src_len_in, Tensor tokens, Tensor scores,
     Tensor ignore, Tensor fin_tokens, Tensor fin_pos, Tensor fin_score, Tensor fin_len,
@@ -64,6 +67,7 @@ std::tuple<Tensor, Tensor> slot_beams_step(
               "slot_beams_step: shapes");
   Tensor order = at::empty({s * k}, tokens.options());
   Tensor had_eos = at::zeros({s}, ignore.options());
+  Tensor roles = at::zeros({s, c}, cs.options().dtype(at::kChar));
   const float* csp = cs.data_ptr<float>();
   const int64_t* cwp = cw.data_ptr<int64_t>();
   const int64_t* cbp = cb.data_ptr<int64_t>();
@@ -79,6 +83,7 @@ std::tuple<Tensor, Tensor> slot_beams_step(
   int64_t* fcp = fin_count.data_ptr<int64_t>();
   int64_t* op = order.data_ptr<int64_t>();
   bool* hp = had_eos.data_ptr<bool>();
+  int8_t* rp = roles.data_ptr<int8_t>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<char> masked(c);
   std::vector<int64_t> old_tokens(k * tw);
@@ -99,6 +104,7 @@ std::tuple<Tensor, Tensor> slot_beams_step(
       hp[i] = true;
       if (count >= k) continue;  // the slot has its k hypotheses: stock accepts no more
       const int64_t row = i * k + bm[j], p = count++;
+      rp[i * c + j] = 1;
       int64_t* ft = ftp + (i * k + p) * fw;
       const int64_t* tr = tp + row * tw + 1;
       for (int64_t x = 0; x < step; ++x) ft[x] = tr[x];
@@ -126,6 +132,7 @@ std::tuple<Tensor, Tensor> slot_beams_step(
       for (int64_t j = 0; j < c && taken < k; ++j) {
         if (static_cast<bool>(masked[j]) != (pass == 1)) continue;
         op[i * k + taken] = j;  // candidate index for now
+        rp[i * c + j] |= 2;
         ig[i * k + taken] = pass == 1;
         ++taken;
       }
@@ -141,7 +148,7 @@ std::tuple<Tensor, Tensor> slot_beams_step(
       op[row] = i * k + src;
     }
   }
-  return {order, had_eos};
+  return {order, had_eos, roles};
 }
 
 }  // namespace

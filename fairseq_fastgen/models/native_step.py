@@ -43,7 +43,7 @@ def sources() -> List[Path]:
     """The extension's C++ files: the layers (with the module definition) first."""
     d = Path(__file__).resolve().parents[1] / "csrc"
     return [d / "decoder_layers.cpp", d / "attention_kernels.cpp", d / "beam_candidates.cpp",
-            d / "slot_beams.cpp", d / "decision_margins.cpp"]
+            d / "slot_beams.cpp"]
 
 
 def load():

@@ -66,9 +66,9 @@ class FastSequenceGenerator(SequenceGenerator):
         self._aggressive_tunables = aggressive_tunables
         self._aggressive: Optional[AggressiveDecoding] = None  # built at its first batch
         # fairseq's own Sampling.step draws, over stock's rows: the same random stream
-        self._sampling = type(self.search) is search.Sampling
+        self.sampling = type(self.search) is search.Sampling
         self.sampling_boundary_draws = 0  # lossless sampling: see search/sampling.py
-        self._fallback_reason = self._static_fallback_reason()
+        self.fallback_reason = self._static_fallback_reason()
 
     # ---- choosing the path --------------------------------------------------------
 
@@ -78,7 +78,7 @@ class FastSequenceGenerator(SequenceGenerator):
             return "fastgen disabled"
         if not cfg.fast_decoder:
             return "fast decoder switched off (--fastgen-disable fast_decoder)"
-        if self._sampling:
+        if self.sampling:
             if not cfg.sampling:
                 return "sampling on the fast path switched off (--fastgen-disable sampling)"
         elif type(self.search) is not search.BeamSearch:
@@ -105,7 +105,7 @@ class FastSequenceGenerator(SequenceGenerator):
         return self.fastgen.enabled and self.fastgen.bf16 and precision.supported(dev)
 
     def _generate_any(self, sample, prefix_tokens, constraints, bos_token):
-        reason = self._fallback_reason
+        reason = self.fallback_reason
         if reason is None and (constraints is not None or "src_tokens" not in sample["net_input"]):
             reason = "lexical constraints" if constraints is not None else "non-text source"
         if reason is not None:
@@ -127,7 +127,7 @@ class FastSequenceGenerator(SequenceGenerator):
     def _aggressive_for(self, sample, rules: StepRules) -> Optional[AggressiveDecoding]:
         """The aggressive decoding strategy if it serves this batch, else None (after one
         log line saying why)."""
-        reason = "sampling" if self._sampling else aggressive_unsupported(
+        reason = "sampling" if self.sampling else aggressive_unsupported(
             self.fastgen, self.model.models, self.need_attn, rules, sample, self.tgt_dict)
         if reason is not None:
             if self.fastgen.log_fallbacks:
@@ -146,8 +146,8 @@ class FastSequenceGenerator(SequenceGenerator):
     def prepare(self) -> None:
         """Build the fast decoders and their weight copies now (the generate pipeline calls
         this before forking decoding workers, which then share them)."""
-        if self._fallback_reason is None:
-            for d in self._decoders():
+        if self.fallback_reason is None:
+            for d in self.decoders():
                 d.prepare()
 
     def forward_encoder(self, net_input: Dict[str, Tensor], onednn: bool = False):
@@ -156,7 +156,7 @@ class FastSequenceGenerator(SequenceGenerator):
         with gemm_kernel.linears(onednn):
             return self.model.forward_encoder(net_input)
 
-    def _decoders(self) -> List[FastDecoder]:
+    def decoders(self) -> List[FastDecoder]:
         if self._fast_decoders is None:
             cfg = self.fastgen
             # the C++ step, oneDNN and MKL packs: fp32 only (tests/test_half_precision.py)
@@ -187,7 +187,7 @@ class FastSequenceGenerator(SequenceGenerator):
         self.search.init_constraints(None, beam_size)
         max_len = rules.max_len(src_tokens, src_lengths)
 
-        decoders = self._decoders()
+        decoders = self.decoders()
         encoder_outs = self.forward_encoder(net_input)
         for i, d in enumerate(decoders):
             d.start(encoder_outs[i] if encoder_outs is not None else None, bsz, beam_size, max_len)
@@ -215,7 +215,7 @@ class FastSequenceGenerator(SequenceGenerator):
         # half-precision logits tie often: stock's top-k, whose order among ties is stock's
         if self.fastgen.bitwise or next(self.model.parameters()).dtype != torch.float32:
             select = self.search.step
-        elif self._sampling:
+        elif self.sampling:
             def select(step, lp, sc, *_):
                 out = audited_step(self.search, step, lp, sc)
                 near[0] = out[3] + near[0]
@@ -331,7 +331,7 @@ class FastSequenceGenerator(SequenceGenerator):
                 attn[:, :, : step + 2] = torch.index_select(attn[:, :, : step + 2], dim=0, index=active_bbsz_idx)
             reorder_state = active_bbsz_idx
 
-        if self._sampling:
+        if self.sampling:
             self._count_boundary_draws(int(near[0]), sample)
         for sent in range(len(finalized)):
             sent_scores = torch.tensor([float(elem["score"].item()) for elem in finalized[sent]])

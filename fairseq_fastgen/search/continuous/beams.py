@@ -16,7 +16,7 @@ slot's eos candidates with a few tensor operations and one host read; hypotheses
 fairseq's dicts only when their sentence is done.
 """
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -24,6 +24,16 @@ from torch import Tensor
 from ...models import native_step
 from ..candidates import top_candidates
 from . import margins
+
+
+class BeamStep(NamedTuple):
+    """What a step of every slot decided.  order: (slots*beam,) int64, the row each next
+    hypothesis continues (the caches follow it); had_eos: (slots,) bool, slots that had an
+    eos candidate to finalize; tight: (slots,) bool, slots that compared two candidates of
+    different roles closer than the margin (None without one: :mod:`.margins`)."""
+    order: Tensor
+    had_eos: Tensor
+    tight: Optional[Tensor]
 
 
 class SlotBeams:
@@ -53,8 +63,6 @@ class SlotBeams:
         z = torch.zeros(0, dtype=torch.long, device=device)
         self.tokens = self.scores = self.ignore = z
         self.fin_tokens = self.fin_pos = self.fin_score = self.fin_len = self.fin_count = z
-        self.had_eos = z.bool()
-        self.tight = z.bool()
 
     # ---- room --------------------------------------------------------------------
 
@@ -101,46 +109,49 @@ class SlotBeams:
     # ---- one step ------------------------------------------------------------------
 
     def step(self, lprobs: Tensor, steps: Tensor, first: Tensor, src_len: Tensor,
-             margin: float = 0.0, at_limit: Optional[Tensor] = None) -> Tensor:
+             margin: float = 0.0, at_limit: Optional[Tensor] = None) -> BeamStep:
         """Candidates, finalization and the next hypotheses of every slot.
 
         lprobs: (slots*beam, V) masked log-probabilities; steps: (slots,) int64 step of
         each slot; first: (slots,) bool, slot at step 0; src_len: (slots,) source lengths;
         margin > 0: the margin guard's (:mod:`.margins`), with at_limit (slots,) bool the
-        slots at their length limit.
-        Returns order (slots*beam,) int64: the row each next hypothesis continues (the
-        caches follow it).  fin_count then says which slots have ``beam`` hypotheses,
-        had_eos (slots,) bool which slots finalized a hypothesis at this step and, with a
-        margin, tight (slots,) bool which slots compared candidates closer than it.
+        slots at their length limit.  fin_count then says which slots have ``beam``
+        hypotheses.
         """
         k, s = self.beam, steps.numel()
-        n = s * k
         lp = lprobs.view(s, k, -1)
         row_steps = steps.repeat_interleave(k)
         decide = 2 * k
         wanted = margins.candidates_wanted(k, lp.size(-1)) if margin > 0 else decide
-        cand_scores, cand_words, cand_beams = self._candidates(lp, row_steps, first, wanted)
+        cand = self._candidates(lp, row_steps, first, wanted)
+        ignored = self.ignore[:s].any(1) if margin > 0 else None  # before this step
+        order, had_eos, roles = self._decide(*(t[:, :decide] for t in cand), steps, src_len)
+        tight = None
         if margin > 0:
-            self.tight = margins.tight_slots(cand_scores, cand_words, self.ignore,
-                                             self.fin_count, at_limit, self.eos, decide,
-                                             margin, self._native)
-            if wanted > decide:
-                cand_scores, cand_words, cand_beams = (
-                    t[:, :decide] for t in (cand_scores, cand_words, cand_beams))
+            goes_on = self.fin_count[:s].lt(k) & ~at_limit
+            tight = margins.tight_slots(roles, cand[0], ignored, goes_on, margin)
+        return BeamStep(order, had_eos, tight)
+
+    def _decide(self, cand_scores: Tensor, cand_words: Tensor, cand_beams: Tensor,
+                steps: Tensor, src_len: Tensor):
+        """stock's step after its candidates (s, 2k): finalization, next hypotheses.
+        Returns (order, had_eos, roles): roles (s, 2k) int8, each candidate's role as
+        bits, 1 finalized, 2 taken as a next hypothesis (:mod:`.margins`)."""
+        k, s = self.beam, steps.numel()
+        n = s * k
         if self._native is not None and cand_scores.device.type == "cpu" and \
                 cand_scores.dtype == torch.float32:
             # the statements below in one C++ pass (csrc/slot_beams.cpp), same bits
-            order, self.had_eos = self._native.slot_beams_step(
+            return self._native.slot_beams_step(
                 cand_scores, cand_words, cand_beams, steps, src_len, self.tokens, self.scores,
                 self.ignore, self.fin_tokens, self.fin_pos, self.fin_score, self.fin_len,
                 self.fin_count, self.eos, self.normalize, self.len_penalty,
                 self.match_source_len)
-            return order
         cand_bbsz = cand_beams + (torch.arange(s, device=self.device) * k).unsqueeze(1)
         eos_mask = cand_words.eq(self.eos) & cand_scores.ne(-math.inf)
         eos_mask[:, :k][self.ignore[:s]] = False
-        self.had_eos = eos_mask[:, :k].any(1)
-        self._finalize(eos_mask[:, :k], cand_bbsz, cand_scores, steps, src_len)
+        had_eos = eos_mask[:, :k].any(1)
+        accepted = self._finalize(eos_mask[:, :k], cand_bbsz, cand_scores, steps, src_len)
 
         # stock's choice of the next hypotheses: the first beam non-eos candidates
         cand_size = 2 * k
@@ -153,9 +164,13 @@ class SlotBeams:
         self.tokens[:n] = self.tokens.index_select(0, order)
         self.scores[:n] = self.scores.index_select(0, order)
         r = torch.arange(n, device=self.device)
+        row_steps = steps.repeat_interleave(k)
         self.tokens[r, row_steps + 1] = torch.gather(cand_words, 1, active).view(-1)
         self.scores[r, row_steps] = torch.gather(cand_scores, 1, active).view(-1).type_as(self.scores)
-        return order
+        roles = torch.zeros(cand_scores.shape, dtype=torch.int8, device=self.device)
+        roles[:, :k] = accepted.to(torch.int8)
+        roles.scatter_add_(1, active, torch.full_like(active, 2, dtype=torch.int8))
+        return order, had_eos, roles
 
     def _candidates(self, lp: Tensor, row_steps: Tensor, first: Tensor, wanted: int):
         """(slots, wanted) scores, words and beams, best first, as ``BeamSearch.step``
@@ -182,14 +197,15 @@ class SlotBeams:
         return out
 
     def _finalize(self, eos: Tensor, cand_bbsz: Tensor, cand_scores: Tensor, steps: Tensor,
-                  src_len: Tensor) -> None:
-        """stock's ``finalize_hypos`` for every slot: eos (slots, beam) bool."""
+                  src_len: Tensor) -> Tensor:
+        """stock's ``finalize_hypos`` for every slot: eos (slots, beam) bool.  Returns
+        (slots, beam) bool, the candidates finalized."""
         k = self.beam
         pos = self.fin_count[: eos.size(0)].unsqueeze(1) + eos.long().cumsum(1) - 1
         accept = eos & pos.lt(k)
         idx = accept.nonzero()  # the step's one host read
         if idx.numel() == 0:
-            return
+            return accept
         slot, j = idx[:, 0], idx[:, 1]
         bb = cand_bbsz[slot, j]
         eos_scores = cand_scores[slot, j]
@@ -213,6 +229,7 @@ class SlotBeams:
         self.fin_score[slot, p] = eos_scores.type_as(self.fin_score)
         self.fin_len[slot, p] = st + 1
         self.fin_count.index_add_(0, slot, torch.ones_like(slot))
+        return accept
 
     def hypotheses(self, slots: Tensor) -> List[List[Dict[str, Tensor]]]:
         """fairseq's finalized hypotheses of each slot in ``slots``, best first."""

@@ -72,7 +72,7 @@ class ContinuousBeamSearch:
             and not next(generator.model.parameters()).is_cuda
         # the generator's own layer stacks, on this engine's kernel: one copy of the weights
         self.decoders = []
-        for d in generator._decoders():
+        for d in generator.decoders():
             stack = d.stack.with_gemm(self.onednn)
             native = d.native_for_slots()
             self.decoders.append(SlotDecoder(

@@ -14,7 +14,8 @@ computes it from the candidates best first, is which candidates are finalized (e
 the first k positions, in order, while the sentence has fewer than k hypotheses) and
 which become the next hypotheses (the first k that are not eos or ignored, then the
 rest).  Give each candidate its role: finalized, taken, or neither (taken counts only
-if the sentence goes on).  Sorting is a sequence of swaps of neighbours; swapping two of
+if the sentence goes on); the beam step assigns the roles as it decides (beams.py and its
+C++ twin), so they are computed once.  Sorting is a sequence of swaps of neighbours; swapping two of
 one role changes no role (the order among finalized hypotheses is sorted away at the
 end, and the order of the next hypotheses matters only through exact ties, which are
 neighbours closer than any margin).  So if every pair of neighbours of different roles
@@ -50,39 +51,23 @@ _NEG_INF = float("-inf")
 SCORE_SCALE = 25.0
 
 
-def tight_slots(cand_scores: Tensor, cand_words: Tensor, ignore: Tensor, fin_count: Tensor,
-                at_limit: Tensor, eos: int, decide: int, margin: float,
-                native=None) -> Tensor:
-    """Slots whose step compared two candidates of different roles closer than
-    ``margin`` (see the module doc).
+def tight_slots(roles: Tensor, cand_scores: Tensor, ignored: Tensor, goes_on: Tensor,
+                margin: float) -> Tensor:
+    """Slots whose step compared two candidates of different roles closer than ``margin``
+    (see the module doc).
 
-    cand_scores: (s, W) float, best first; cand_words: (s, W) int64; W = decide (= 2k) or
-    decide + 1; ignore: (>= s, k) bool and fin_count: (>= s,) int64 as before this
-    step's finalization; at_limit: (s,) bool.  Returns (s,) bool.  native: the C++
-    extension (CPU float32: ``slot_margins``, the same statements).
+    roles: (s, 2k) int8, each deciding candidate's role as the beam step assigned it
+    (bits: 1 finalized, 2 taken; beams.SlotBeams, csrc/slot_beams.cpp); cand_scores: (s,
+    W) float, best first, W = 2k or 2k + 1 (the best candidate after the 2k, role none);
+    ignored: (s,) bool, slots with an ignored position before the step; goes_on: (s,)
+    bool, slots that continue after it (a taken candidate counts only then).
+    Returns (s,) bool.
     """
-    s = cand_scores.size(0)
-    if native is not None and cand_scores.device.type == "cpu" and \
-            cand_scores.dtype == torch.float32:
-        return native.slot_margins(cand_scores, cand_words, ignore, fin_count, at_limit,
-                                   eos, decide, margin, SCORE_SCALE)
-    k = ignore.size(1)
-    ign = ignore[:s]
-    sc = cand_scores[:, :decide]
-    masked = cand_words[:, :decide].eq(eos) & sc.ne(_NEG_INF)
-    masked[:, :k] &= ~ign
-    first = masked[:, :k]
-    accepted = first & (fin_count[:s].unsqueeze(1) + first.long().cumsum(1)).le(k)
-    goes_on = (fin_count[:s] + accepted.sum(1)).lt(k) & ~at_limit
-    out = masked.clone()
-    out[:, :k] |= ign
-    offsets = torch.arange(decide, device=sc.device)
-    _, active = torch.topk(out.long() * decide + offsets, k=k, dim=1, largest=False)
-    taken = torch.zeros_like(out).scatter_(1, active, True) & goes_on.unsqueeze(1)
-    role = torch.zeros(cand_scores.shape, dtype=torch.long, device=sc.device)
-    role[:, :k][accepted] = 1
-    role[:, :decide][taken] = 2
-    relevant = role[:, :-1].ne(role[:, 1:]) | ign.any(1, keepdim=True)
+    s, decide = roles.shape
+    taken = (roles & 2).ne(0) & goes_on.unsqueeze(1)
+    role = torch.zeros(cand_scores.shape, dtype=torch.int8, device=cand_scores.device)
+    role[:, :decide] = torch.where(taken, 2, roles & 1).to(torch.int8)
+    relevant = role[:, :-1].ne(role[:, 1:]) | ignored.unsqueeze(1)
     left, right = cand_scores[:, :-1], cand_scores[:, 1:]
     close = left.ne(_NEG_INF) & (left - right).lt(margin * (1 + right.abs() / SCORE_SCALE))
     return (relevant & close).any(1)

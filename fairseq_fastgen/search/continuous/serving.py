@@ -30,7 +30,7 @@ def engine_onednn(generator) -> bool:
     faster and the margin guard can catch its rounding.  Only the engine runs oneDNN: the
     batch-at-a-time path and aggressive decoding stay on MKL, where nothing guards them."""
     cfg = generator.fastgen
-    stacks = [d.stack for d in generator._decoders()]
+    stacks = [d.stack for d in generator.decoders()]
     if cfg.gemm == "mkl" or not all(st.onednn_serves("onednn") for st in stacks):
         return False
     return cfg.gemm == "onednn" or (
@@ -42,19 +42,19 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
     from fairseq.tasks import FairseqTask
 
     cfg = getattr(generator, "fastgen", None)
-    if cfg is None or not hasattr(generator, "_decoders"):
+    if cfg is None or not hasattr(generator, "decoders"):
         return "not the fastgen generator"
     if cfg.continuous == "off":
         return "switched off (--fastgen-continuous off)"
     if cfg.bitwise:
         return "bitwise mode keeps stock's batches and GEMM shapes"
-    if generator._fallback_reason is not None:
-        return generator._fallback_reason
+    if generator.fallback_reason is not None:
+        return generator.fallback_reason
     if generator.bf16() or next(generator.model.parameters()).dtype != torch.float32:
         # the engine's candidates order exact ties otherwise than stock's top-k, and half
         # precision ties often (docs/lossless.md, "Half precision")
         return "half precision (--fp16 / --bf16) runs the batch-at-a-time step"
-    if getattr(generator, "_sampling", False):
+    if getattr(generator, "sampling", False):
         return "sampling draws stock's random numbers over stock's batches"
     if generator.need_attn:
         return "attention weights are kept (--print-alignment or --fastgen-tune attention=true)"
@@ -70,7 +70,7 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
     if task is not None and type(task).inference_step is not FairseqTask.inference_step:
         return f"task {type(task).__name__} has its own inference_step"
     if cfg.continuous == "auto" and not next(generator.model.parameters()).is_cuda and \
-            any(d.native_for_slots() is None for d in generator._decoders()):
+            any(d.native_for_slots() is None for d in generator.decoders()):
         # measured: docs/continuous-batching.md (the Python slot step is slower on CPU)
         return ("auto on CPU without the C++ slot step (it needs the native step, "
                 "ancestor-indexed caches and fp32; --fastgen-continuous on forces it)")

@@ -196,10 +196,11 @@ class StreamRun:
         src_len = torch.stack([p.batch.src_len[p.index] for p in self.slot_of]) if (
             rules.match_source_len) else steps
         at_limit = steps.ge(limits)
-        order = beams.step(lprobs, steps, steps.eq(0), src_len, self.margin, at_limit)
+        order, had_eos, tight = beams.step(lprobs, steps, steps.eq(0), src_len, self.margin,
+                                           at_limit)
         if self.guard is not None:
-            self.guard.step(beams.tight)
-        stuck = at_limit & ~beams.had_eos
+            self.guard.step(tight)
+        stuck = at_limit & ~had_eos
         if bool(stuck.any()):
             # stock finishes a sentence at its length limit only through an eos candidate;
             # one whose every candidate scores -inf (e.g. the n-gram ban left no word) fails
