@@ -99,8 +99,13 @@ def headline(res: dict) -> str:
             lines.append(f"| {model} | {beam} | {prec} | fastgen / {ref} | " + " | ".join(vals) + " |")
     m = res["machine"]
     ok = all(c["systems"]["fastgen"]["lossless"] for c in res["cells"] if "fastgen" in c["systems"])
-    return render("headline.md.tmpl", machine=m["cpu"] if m["device"] == "cpu" else m.get("gpu"),
-                  threads=m["threads"], date=m["date"], every="every" if ok else "NOT every", table="\n".join(lines))
+    cpu = m["device"] == "cpu"
+    ct2_note = (f" CTranslate2 at its best thread setting for the same cores, per cell: one pool of "
+                f"{m['threads']} threads or {m['threads']} replicas of one thread (`inter_threads`)."
+                if cpu and ct2 and m["threads"] > 1 else "")
+    return render("headline.md.tmpl", machine=m["cpu"] if cpu else m.get("gpu"),
+                  threads=m["threads"], date=m["date"], every="every" if ok else "NOT every",
+                  ct2_note=ct2_note, table="\n".join(lines))
 
 
 def spread_line(res: dict) -> str:
