@@ -6,6 +6,7 @@ The rule is tested statement by statement (C++ against Python, and cases whose o
 is known), and end to end with a kernel made to round much worse than oneDNN does: there
 the unguarded engine gives other hypotheses than stock, and the guarded one stock's."""
 import logging
+import re
 
 import pytest
 import torch
@@ -270,3 +271,43 @@ def test_a_flagged_sentence_leaves_its_slot_at_once(tiny, monkeypatch):
     assert left and all(d == n for d, n in left), left
     for m_b, g_b in zip(mkl, got):
         assert_same_hypos(m_b, g_b, bitwise=False)
+
+
+@needs_onednn
+def test_the_margin_is_rechecked_as_the_run_goes(tiny, monkeypatch, caplog):
+    """Every RECHECK_EVERY-th batch of a run is decoded on both kernels: a kernel whose
+    rounding grows after the first batch raises the margin (logged once per raise), and
+    the re-checked batches' output is the MKL engine's."""
+    task, models, cfg = load(tiny.data, [tiny.postln])
+    amplitude = [1e-6]
+    real = gemm_kernel._pointwise
+
+    def rough(x, w, b):
+        out = real(x, w, b)
+        return out + amplitude[0] * torch.sin(out * 1e4)
+
+    monkeypatch.setattr(gemm_kernel, "_pointwise", rough)
+    monkeypatch.setattr(stream, "RECHECK_EVERY", 2)
+    calibrate = ContinuousBeamSearch._calibrate
+
+    def then_rougher(self, item, counts):
+        out = calibrate(self, item, counts)
+        amplitude[0] = 1e-2
+        return out
+
+    monkeypatch.setattr(ContinuousBeamSearch, "_calibrate", then_rougher)
+    _, mkl, _ = _stream(task, models, cfg, FastGenConfig(gemm="mkl"))
+    with caplog.at_level(logging.INFO):
+        _, got, engine = _stream(task, models, cfg, FastGenConfig(gemm="onednn"))
+    logs = [r.getMessage() for r in caplog.records]
+    first = [m for m in logs if "calibrated on" in m]
+    raised = [m for m in logs if "re-checked on" in m]
+    assert len(first) == 1 and raised, logs
+    first_margin = float(re.search(r"margin ([-+.e\d]+) = ", first[0]).group(1))
+    assert engine.margin > 100 * first_margin
+    assert float(raised[-1].split(" to ")[1].split(";")[0]) == pytest.approx(engine.margin, rel=1e-2)
+    assert len(got) == 6
+    for j in (2, 4):  # the run's 2nd and 4th batches (batch 0 calibrates)
+        assert_same_hypos(mkl[j], got[j], bitwise=False)
+    redone, total = _redone(caplog)
+    assert redone >= len(mkl[0]) + len(mkl[2]) + len(mkl[4])

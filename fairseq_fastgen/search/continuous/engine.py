@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ...models.slot_decoder import SlotDecoder
 from ..step_rules import StepRules
-from . import margins
+from . import margins, stream
 from .inputs import Feed
 from .serving import auto_rows, engine_onednn, unsupported  # noqa: F401 (re-exported)
 from .stream import StreamRun
@@ -134,7 +134,9 @@ class ContinuousBeamSearch:
             yield from run.loop()
         if self.multiple > 0 and counts[0] + run.sentences:
             logger.info("fairseq-fastgen: margin guard: %d of %d sentences decoded again on "
-                        "MKL", counts[1] + run.redone, counts[0] + run.sentences)
+                        "MKL (%d of them measuring the margin: the first batch and every %d-th)",
+                        counts[1] + run.redone, counts[0] + run.sentences,
+                        counts[1] + run.rechecked, stream.RECHECK_EVERY)
 
     def _calibrate(self, item, counts: List[int]):
         """The first batch decoded on both kernels from one (MKL) encoder output: its

@@ -31,6 +31,9 @@ class Batch:
     cross: list = field(default_factory=list)  # per model: per layer projected keys/values
     max_len: int = 0
     src_len: Optional[Tensor] = None  # (bsz,)
+    # margin guard: a batch that re-checks the margin is decoded on both kernels; its
+    # oneDNN hypotheses, kept for the comparison (its output is MKL's)
+    other: Optional[List[Optional[list]]] = None
 
 
 @dataclass

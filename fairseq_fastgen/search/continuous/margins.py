@@ -32,7 +32,9 @@ places); one with a tight comparison is decoded again on MKL (engine.py), so the
 is that of the reference kernel everywhere.  The bound is measured, not proven, and for
 the model and machine at hand: each engine decodes its first batch on both kernels
 (engine.py; that batch's output is MKL's) and sets the margin to ``--fastgen-tune
-margin_guard`` (8) times the largest move seen there (:func:`calibrated`), logged once.
+margin_guard`` (8) times the largest move seen there (:func:`calibrated`), logged once;
+every 64th batch of the run is decoded on both kernels again (stream.py, its output MKL's)
+and the margin grows where its moves ask for more (:func:`rechecked`, logged).
 Why 8: a comparison of two candidates moves by up to twice one score's move, and over all
 batches of the bundled models the largest move was up to 1.75x the first batch's
 (benchmarks/margin_calibration.py; this leaves 2.3x on top).
@@ -173,3 +175,16 @@ def calibrated(reference: List[list], other: List[list], multiple: float) -> flo
                 seen, move, SCORE_SCALE, margin, multiple, FLOOR,
                 f"; {flips} best hypotheses already differed" if flips else "")
     return margin
+
+
+def rechecked(reference: List[list], other: List[list], multiple: float, margin: float) -> float:
+    """The margin after a re-check batch (decoded on MKL, ``reference``, and on oneDNN,
+    ``other``): ``multiple`` times its largest score move where that is more than
+    ``margin`` (logged), else ``margin``."""
+    move, flips, _ = score_move(reference, other)
+    if multiple * move <= margin:
+        return margin
+    logger.info("fairseq-fastgen: margin guard re-checked on %d sentences: score move %.3g, "
+                "margin raised from %.3g to %.3g%s", len(reference), move, margin,
+                multiple * move, f"; {flips} best hypotheses differed" if flips else "")
+    return multiple * move

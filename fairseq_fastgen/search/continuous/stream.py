@@ -21,6 +21,9 @@ from .inputs import Batch, Feed, Pending, by_batch
 # margin guard: done sentences held back (in slots' worth) before the ones to decode
 # again are decoded, however few (their batches' encoder output waits with them)
 HOLD_SLOTS = 16
+# margin guard: every RECHECK_EVERY-th batch of a run is decoded on both kernels, and the
+# margin grows if that batch's score moves ask for more (about 1/64 more MKL decoding)
+RECHECK_EVERY = 64
 
 
 class StreamRun:
@@ -42,7 +45,7 @@ class StreamRun:
         self.steps: List[int] = []
         self.limits: List[int] = []
         self.guard: Optional[margins.MarginGuard] = None  # with a margin, from the first admit
-        self.sentences = self.redone = 0
+        self.sentences = self.redone = self.batches = self.rechecked = 0
         for d in eng.decoders:
             d.reset()
 
@@ -85,6 +88,9 @@ class StreamRun:
                 b.hypos = self.eng.regular(sample, prefix)
                 b.remaining = 0
                 return False  # out before the next batch is read
+            self.batches += 1
+            if self.margin > 0 and not again and self.batches % RECHECK_EVERY == 0:
+                b.other = [None] * bsz
             self._encode(b, again[1] if again else None)
             self.pending.extend(Pending(b, i) for i in indices)
             return True
@@ -241,8 +247,12 @@ class StreamRun:
             if self.guard is not None else [False] * len(done)
         for slot, hyps, redo in zip(done, b.hypotheses(done_t), again):
             p = self.slot_of[slot]
+            if p.batch.other is not None:  # re-checking the margin: decoded on MKL too
+                p.batch.other[p.index] = hyps
+                redo = True
             if redo:
                 p.batch.redo.append(p.index)
+                self.redone += 1
             else:
                 p.batch.hypos[p.index] = hyps
             p.batch.remaining -= 1
@@ -252,7 +262,6 @@ class StreamRun:
                     p.batch.encoder_outs = None
             self.slot_of[slot] = None
         self.sentences += len(done)
-        self.redone += sum(again)
 
     def _compact(self) -> None:
         """Drop the free slots (no sentence is left to take them)."""
@@ -308,3 +317,14 @@ class StreamRun:
             for i in b.redo:
                 b.hypos[i] = hypos[i]
             b.redo = []
+            if b.other is not None:
+                self._recheck(b)
+
+    def _recheck(self, b: Batch) -> None:
+        """A re-check batch, decoded on both kernels: the margin grows to what its score
+        moves ask for (:func:`.margins.rechecked`), never shrinks."""
+        margin = margins.rechecked(b.hypos, b.other, self.eng.multiple, self.margin)
+        self.rechecked += len(b.other)
+        b.other = None
+        if margin > self.margin:
+            self.margin = self.eng.margin = self.guard.margin = margin
