@@ -352,7 +352,8 @@ def hypo_difference(hs, hf, bitwise: bool) -> Optional[str]:
     else:
         if not _close(float(a), float(b)):
             return f"score {float(a)} vs {float(b)}"
-        if pa.shape != pb.shape or not all(_close(x, y) for x, y in zip(pa.tolist(), pb.tolist())):
+        if pa.shape != pb.shape or not all(
+                _close(x, y, t) for x, y, t in zip(pa.tolist(), pb.tolist(), positional_tolerance(pa))):
             return f"positional scores {pa.tolist()} vs {pb.tolist()}"
     sa, sb = hs.get("alignment"), hf.get("alignment")
     same = torch.equal(sa, sb) if isinstance(sa, torch.Tensor) and isinstance(sb, torch.Tensor) else (
@@ -360,8 +361,18 @@ def hypo_difference(hs, hf, bitwise: bool) -> Optional[str]:
     return None if same else f"alignment {sa} vs {sb}"
 
 
-def _close(a: float, b: float) -> bool:
-    return a == b or abs(a - b) <= TOL or (math.isnan(a) and math.isnan(b))
+def _close(a: float, b: float, tol: float = TOL) -> bool:
+    return a == b or abs(a - b) <= tol or (math.isnan(a) and math.isnan(b))
+
+
+def positional_tolerance(pos: torch.Tensor) -> List[float]:
+    """Per positional score: TOL, or two float32 units in the last place of the cumulative
+    scores it is the difference of, where that is more (docs/lossless.md: past |1,024| one
+    unit is 1.2e-4 already)."""
+    cum = pos.double().cumsum(0).abs()
+    big = torch.maximum(cum, torch.cat([cum.new_zeros(1), cum[:-1]]))
+    ulp = torch.pow(2.0, torch.floor(torch.log2(big.clamp(min=1.0))) - 23)
+    return torch.where(big.isfinite(), (2 * ulp).clamp(min=TOL), torch.full_like(big, TOL)).tolist()
 
 
 # ---- near-ties ----------------------------------------------------------------------------
