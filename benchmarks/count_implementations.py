@@ -52,7 +52,7 @@ IMPLEMENTATIONS = {
     ]),
     "candidate roles": (1, [
         ("the beam step (beams.py, its C++ twin slot_beams.cpp)", "search/continuous/beams.py",
-         r"roles\.scatter_add_\("),
+         r"role\.scatter_add_\("),
     ]),
 }
 PYTHON_LINES = 8000

@@ -125,7 +125,8 @@ class SlotBeams:
         wanted = margins.candidates_wanted(k, lp.size(-1)) if margin > 0 else decide
         cand = self._candidates(lp, row_steps, first, wanted)
         ignored = self.ignore[:s].any(1) if margin > 0 else None  # before this step
-        order, had_eos, roles = self._decide(*(t[:, :decide] for t in cand), steps, src_len)
+        order, had_eos, roles = self._decide(*(t[:, :decide] for t in cand), steps, src_len,
+                                             roles=margin > 0)
         tight = None
         if margin > 0:
             goes_on = self.fin_count[:s].lt(k) & ~at_limit
@@ -133,10 +134,11 @@ class SlotBeams:
         return BeamStep(order, had_eos, tight)
 
     def _decide(self, cand_scores: Tensor, cand_words: Tensor, cand_beams: Tensor,
-                steps: Tensor, src_len: Tensor):
+                steps: Tensor, src_len: Tensor, roles: bool = True):
         """stock's step after its candidates (s, 2k): finalization, next hypotheses.
         Returns (order, had_eos, roles): roles (s, 2k) int8, each candidate's role as
-        bits, 1 finalized, 2 taken as a next hypothesis (:mod:`.margins`)."""
+        bits, 1 finalized, 2 taken as a next hypothesis (:mod:`.margins`); the Python
+        statements skip them unless ``roles`` (the C++ pass always has them)."""
         k, s = self.beam, steps.numel()
         n = s * k
         if self._native is not None and cand_scores.device.type == "cpu" and \
@@ -167,10 +169,12 @@ class SlotBeams:
         row_steps = steps.repeat_interleave(k)
         self.tokens[r, row_steps + 1] = torch.gather(cand_words, 1, active).view(-1)
         self.scores[r, row_steps] = torch.gather(cand_scores, 1, active).view(-1).type_as(self.scores)
-        roles = torch.zeros(cand_scores.shape, dtype=torch.int8, device=self.device)
-        roles[:, :k] = accepted.to(torch.int8)
-        roles.scatter_add_(1, active, torch.full_like(active, 2, dtype=torch.int8))
-        return order, had_eos, roles
+        if not roles:
+            return order, had_eos, None
+        role = torch.zeros(cand_scores.shape, dtype=torch.int8, device=self.device)
+        role[:, :k] = accepted.to(torch.int8)
+        role.scatter_add_(1, active, torch.full_like(active, 2, dtype=torch.int8))
+        return order, had_eos, role
 
     def _candidates(self, lp: Tensor, row_steps: Tensor, first: Tensor, wanted: int):
         """(slots, wanted) scores, words and beams, best first, as ``BeamSearch.step``
