@@ -12,6 +12,7 @@ turns this off.  Tests that signal or inspect a process tree start their own pro
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,3 +77,4 @@ class ForkedRuns:
             p.stdin.close()
             p.wait()
         self.servers = {}
+        shutil.rmtree(self.scratch, ignore_errors=True)
