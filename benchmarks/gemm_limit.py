@@ -35,25 +35,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from one_process import interleaved, load_es_en, parser, write_rows  # noqa: E402
 from conftest import batches, generators  # noqa: E402
 from fairseq_fastgen.config import FastGenConfig  # noqa: E402
-from fairseq_fastgen.models import fast_decoder, gemm_kernel, packed_gemm  # noqa: E402
+from fairseq_fastgen.models import gemm_kernel, packed_gemm, slot_decoder  # noqa: E402
 from fairseq_fastgen.models.padded_projection import PAD_MULTIPLE  # noqa: E402
 
 
 @contextlib.contextmanager
 def counting_step_rows(counter: collections.Counter):
-    """Counts the rows each FastDecoder step computes (instrumentation of this script)."""
-    step = fast_decoder.FastDecoder.step
+    """Counts the rows each decoder step computes (instrumentation of this script)."""
+    step = slot_decoder.SlotDecoder.step
 
-    def counted(self, tokens, *a, **k):
-        once = self.step_idx == 0 and self._first_once
-        counter[tokens.size(0) // (self.beam if once else 1)] += 1
-        return step(self, tokens, *a, **k)
+    def counted(self, last, *a, **k):
+        counter[last.numel()] += 1
+        return step(self, last, *a, **k)
 
-    fast_decoder.FastDecoder.step = counted
+    slot_decoder.SlotDecoder.step = counted
     try:
         yield counter
     finally:
-        fast_decoder.FastDecoder.step = step
+        slot_decoder.SlotDecoder.step = step
 
 
 def _kernels(w: torch.Tensor, rows: int):
@@ -150,14 +149,11 @@ def main():
     task, models, cfg = load_es_en()
     stock, fast = generators(task, models, FastGenConfig(), beam=a.beam)
     _, python_step = generators(task, models, FastGenConfig(native_step=False), beam=a.beam)
-    _, reordered = generators(task, models, FastGenConfig(ancestor_kv=False), beam=a.beam)
-    _, fresh_kv = generators(task, models, FastGenConfig(kv_reuse=False), beam=a.beam)
     _, py_cands = generators(task, models, FastGenConfig(native_candidates=False), beam=a.beam)
     _, aten_cross = generators(task, models, FastGenConfig(fused_cross_attention=False),
                                beam=a.beam)
     _, mkl = generators(task, models, FastGenConfig(gemm="mkl"), beam=a.beam)
     gens = {"stock": stock, "fastgen native off": python_step,
-            "fastgen ancestor kv off": reordered, "fastgen kv reuse off": fresh_kv,
             "fastgen native candidates off": py_cands,
             "fastgen fused cross attention off": aten_cross, "fastgen gemm mkl": mkl,
             "fastgen": fast}

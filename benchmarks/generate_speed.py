@@ -25,8 +25,7 @@ BUNDLE = ROOT / "examples" / "bible" / "bundle"
 ABLATIONS = {
     "all on (lossless)": [],
     "bitwise": ["--fastgen-bitwise"],
-    "no shared encoder": ["--fastgen-disable", "shared_encoder"],
-    "no kv cache": ["--fastgen-disable", "kv_cache"],
+    "no native step": ["--fastgen-disable", "native_step"],
     "no fast decoder": ["--fastgen-disable", "fast_decoder"],
 }
 

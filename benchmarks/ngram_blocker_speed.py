@@ -8,7 +8,7 @@ bundled es->en model's vocabulary, CPU.  Measures, in one process, interleaved:
 * ``stock (corrected)``: fairseq's CPU Python loop with #4709 fixed (as shipped it bans
   nothing, so timing it would flatter it);
 * ``decoder step``: one incremental step of the bundled model for the same 320
-  hypotheses at step 100 (FastDecoder step + log-softmax), to give the blocker's share.
+  hypotheses at step 100 (decoder step + log-softmax), to give the blocker's share.
 
     python benchmarks/ngram_blocker_speed.py [--threads 1] [--repeats 30]
 
@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import batches, load  # noqa: E402
-from fairseq_fastgen.models.fast_decoder import FastDecoder  # noqa: E402
+from fairseq_fastgen.models.layers import DecoderStack  # noqa: E402
+from fairseq_fastgen.models.slot_decoder import SlotDecoder  # noqa: E402
 from fairseq_fastgen.search.ngram_blocker import ban_repeated_ngrams, corrected_stock_loop  # noqa: E402
 
 
@@ -71,22 +72,19 @@ def main():
 
     # a real decoder step at the same size: 64 test sentences, cache filled to `step`
     sample = next(iter(batches(task, cfg, a.batch, limit=1)))
-    dec = FastDecoder(model)
+    dec = SlotDecoder(DecoderStack(model), a.beam)
     with torch.no_grad():
         enc = model.encoder.forward_torchscript(sample["net_input"])
-        dec.start(enc, sample["id"].numel(), a.beam, a.step + 2)
+        dec.start(enc, sample["id"].numel(), a.step + 2)
         n = sample["id"].numel() * a.beam
         toks = tokens[:n]
         for t in range(a.step):
-            dec.step(toks[:, : t + 1], need_attn=False)
+            dec.step(toks[:, t], None, t)
 
-    def decoder_step():
+    def decoder_step():  # the same step again (it rewrites its own key/value)
         with torch.no_grad():
-            logits = dec.step(toks[:, : a.step + 1], need_attn=False).lprobs
+            logits = dec.step(toks[:, a.step], None, a.step).lprobs
             model.get_normalized_probs((logits, None), log_probs=True)
-            dec.step_idx -= 1  # time the same step again
-            for c in dec.self_kv:
-                c.t -= 1
 
     times = {"torch": [], "stock_corrected": [], "decoder_step": []}
     for _ in range(a.repeats):  # interleaved
@@ -123,7 +121,7 @@ def main():
           f"| plugin torch blocker | {res['torch']['median_ms']:.3f} | {res['torch']['min_ms']:.3f} | {100 * share:.1f}% |",
           f"| stock Python loop (#4709 corrected) | {res['stock_corrected']['median_ms']:.1f} | "
           f"{res['stock_corrected']['min_ms']:.1f} | {100 * stock_share:.1f}% |",
-          f"| decoder step (FastDecoder + log-softmax) | {res['decoder_step']['median_ms']:.2f} | "
+          f"| decoder step (+ log-softmax) | {res['decoder_step']['median_ms']:.2f} | "
           f"{res['decoder_step']['min_ms']:.2f} | |", "",
           f"Plugin blocker is {report['speedup_vs_stock_corrected']:.0f}x faster than the corrected "
           "stock loop. Command: `python benchmarks/ngram_blocker_speed.py "

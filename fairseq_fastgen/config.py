@@ -53,19 +53,10 @@ class FastGenConfig:
             "lossless mode, which reorders some reductions: scores agree to ~1e-6)"
         },
     )
-    shared_encoder: bool = field(default=True, metadata={"developer": True, "help": (
-        "beam-shared encoder states: encoder output and encoder-decoder "
-        "keys/values kept once per sentence, never replicated per beam nor reordered")})
-    kv_cache: bool = field(default=True, metadata={"developer": True, "help": (
-        "preallocated self-attention key/value cache written and reordered "
-        "in place (no torch.cat or allocation per step)")})
-    kv_reuse: bool = field(default=True, metadata={"developer": True, "help": (
-        "with kv_cache: a batch's caches take over the last batch's buffers when large "
-        "enough (no fresh pages to fault in); keeps that memory between batches")})
     fast_decoder: bool = field(default=True, metadata={"developer": True, "help": (
         "drive fairseq's TransformerDecoder layers with a lean incremental step "
-        "(fused q/k/v projection, no per-step dict state); needed by shared_encoder "
-        "and kv_cache")})
+        "(fused q/k/v projection, encoder-decoder keys/values once per sentence, caches "
+        "kept in place, no per-step dict state); lossless mode")})
     vocab_pad: bool = field(
         default=True,
         metadata={"developer": True,
@@ -109,9 +100,6 @@ class FastGenConfig:
     native_step: bool = field(default=True, metadata={"developer": True, "help": (
         "decoder layers of a step from a C++ extension (compiled once by torch, cached): "
         "the Python step's operations, less dispatch; CPU, lossless mode")})
-    ancestor_kv: bool = field(default=True, metadata={"developer": True, "help": (
-        "with native_step: self-attention caches never reordered, read through a table "
-        "of each hypothesis's ancestor rows; lossless mode, CPU fp32")})
     fused_cross_attention: bool = field(default=True, metadata={"developer": True, "help": (
         "with native_step: encoder-decoder attention in one C++ pass over each sentence's "
         "keys/values (no reshape copies); lossless mode, CPU fp32")})
@@ -173,7 +161,7 @@ class FastGenConfig:
             "and decoding workers): when a sentence finishes, the next one takes its rows, up to the largest batch's count of sentences is decoded at every step; "
             "each sentence keeps the length limit, prefix and rules of the batch stock puts "
             "it in. on, off, or auto (on for CUDA, and on CPU with the C++ step: "
-            "native_step, ancestor_kv, fp32; see docs/continuous-batching.md). Lossless "
+            "native_step, fp32; see docs/continuous-batching.md). Lossless "
             "mode only",
             "choices": CONTINUOUS_MODES,
         },
@@ -298,22 +286,15 @@ class FastGenConfig:
     def active_optimizations(self) -> Dict[str, bool]:
         """Which optimizations this config switches on (for the one start-up log line)."""
         on = self.enabled
-        fast = on and self.fast_decoder
+        fast = on and self.fast_decoder and not self.bitwise  # bitwise: stock's loop
         fp32 = not self.bf16  # bfloat16 steps aside the fp32 machinery (models/precision.py)
         return {
             "fast_decoder": fast,
-            "shared_encoder": fast and self.shared_encoder,
-            "kv_cache": fast and self.kv_cache,
-            "kv_reuse": fast and self.kv_cache and self.kv_reuse,
-            "merged_beam_gemm": fast and self.shared_encoder and not self.bitwise,
-            "native_step": fast and fp32 and self.native_step and not self.bitwise,
-            "ancestor_kv": fast and fp32 and self.native_step and self.ancestor_kv and not self.bitwise,
-            "fused_cross_attention": fast and fp32 and self.native_step and self.fused_cross_attention
-            and not self.bitwise,
-            "native_candidates": fast and self.native_candidates and not self.bitwise,
-            "gemm=" + self.gemm: fast and fp32 and not self.bitwise,
-            "continuous_batching=" + self.continuous: (
-                fast and fp32 and self.continuous != "off" and not self.bitwise),
+            "native_step": fast and fp32 and self.native_step,
+            "fused_cross_attention": fast and fp32 and self.native_step and self.fused_cross_attention,
+            "native_candidates": fast and self.native_candidates,
+            "gemm=" + self.gemm: fast and fp32,
+            "continuous_batching=" + self.continuous: fast and fp32 and self.continuous != "off",
             "ngram_blocker=" + self.ngram_blocker: on,
             "bf16": on and self.bf16,
             "aggressive_greedy=" + self.aggressive + (

@@ -4,7 +4,7 @@ Users see a dozen switches (README, "Switches"). Each optimization can still be 
 for an ablation, and each of its knobs set, through two options that take lists
 (docs/developer-options.md)::
 
-    --fastgen-disable native_step,kv_cache      +fastgen.disable=[native_step,kv_cache]
+    --fastgen-disable native_step,vocab_pad     +fastgen.disable=[native_step,vocab_pad]
     --fastgen-tune gemm=onednn,margin_guard=0   configure(tune="continuous_rows=64")
 
 Both expand into the fields of :class:`~fairseq_fastgen.config.FastGenConfig` that carry

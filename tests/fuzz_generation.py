@@ -123,7 +123,7 @@ def fastgen_options(draw) -> Dict[str, object]:
     opts = dict(bitwise=draw(st.booleans()),
                 aggressive=draw(st.sampled_from(["off", "on", "auto"])),
                 continuous=draw(st.sampled_from(["off", "on"])))
-    for key in ("shared_encoder", "kv_cache", "fast_decoder", "vocab_pad"):
+    for key in ("fast_decoder", "vocab_pad"):
         if _rare(draw, 4):
             opts[key] = False
     if _rare(draw, 4):
@@ -134,7 +134,7 @@ def fastgen_options(draw) -> Dict[str, object]:
     # the kernels: C++ step and its parts, GEMM kernel and guard, packed weights.  Not the
     # unguarded oneDNN ablation (margin_guard 0), whose output may differ at near-ties;
     # decoding workers are fairseq-generate's (tests/test_decode_workers.py, against stock)
-    for key in ("native_step", "ancestor_kv", "fused_cross_attention", "native_candidates"):
+    for key in ("native_step", "fused_cross_attention", "native_candidates"):
         if _rare(draw, 5):
             opts[key] = False
     opts["gemm"] = draw(st.sampled_from(["auto", "auto", "mkl", "onednn"]))

@@ -182,8 +182,8 @@ def test_ensemble_falls_back(tiny):
 def test_block_pass_matches_one_token_steps(bundled_model):
     """Blocks with rejected (garbage) drafts rolled back per row give the logits of
     one-token steps."""
-    from fairseq_fastgen.models.fast_decoder import FastDecoder
-    from fairseq_fastgen.models.verify import VerifyDecoder
+    from fairseq_fastgen.models.layers import DecoderStack
+    from fairseq_fastgen.models.slot_decoder import SlotDecoder
 
     task, models, cfg = bundled_model("kjv-web")
     m = models[0]
@@ -194,14 +194,14 @@ def test_block_pass_matches_one_token_steps(bundled_model):
     T = 9
     with torch.no_grad():
         enc = m.encoder.forward_torchscript(b["net_input"])
-        ref = FastDecoder(m)
-        ref.start(enc, n, 1, 40)
+        ref = SlotDecoder(DecoderStack(m), 1)
+        ref.start(enc, n, 40)
         bos = torch.full((n, 1), task.target_dictionary.eos())
         full = torch.cat([bos, seqs], dim=1)
         # one-token steps give log-probabilities; the block pass gives logits
-        want = [ref.step(full[:, : i + 1], False).lprobs for i in range(T)]
-        vd = VerifyDecoder(m)
-        vd.start(enc, n, 40, 8)
+        want = [ref.step(full[:, i], None, i).lprobs for i in range(T)]
+        vd = SlotDecoder(DecoderStack(m), 1)  # the same step, blocks of tokens
+        vd.start(enc, n, 41, room=8)
         t = torch.zeros(n, dtype=torch.long)
         g = torch.Generator().manual_seed(0)
         got = [[None] * T for _ in range(n)]
@@ -212,7 +212,7 @@ def test_block_pass_matches_one_token_steps(bundled_model):
             for r in range(n):
                 k = int(take[r])
                 block[r, :k] = full[r, int(t[r]): int(t[r]) + k]
-            logits = torch.log_softmax(vd.forward(block, t, None).scores, -1).view(n, L, -1)
+            logits = torch.log_softmax(vd.block(block, t, None).scores, -1).view(n, L, -1)
             for r in range(n):
                 for j in range(int(take[r])):
                     if int(t[r]) + j < T:
@@ -220,7 +220,7 @@ def test_block_pass_matches_one_token_steps(bundled_model):
             t = t + take  # per-row rollback of the rest
         for r in range(n):
             for i in range(T):
-                torch.testing.assert_close(got[r][i], want[i][r], atol=1e-4, rtol=0)
+                torch.testing.assert_close(got[r][i][: vd.vocab], want[i][r], atol=1e-4, rtol=0)
 
 
 # ---- random-weight models, hypothesis-generated sources -------------------------------------

@@ -78,8 +78,8 @@ def test_generate_command_stock_and_plugin(monkeypatch):
     cmd, env = generate_command(["DATA", "--beam", "5"], False, threads=3)
     assert cmd == [exe, "DATA", "--beam", "5"]
     assert env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1" and env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
-    cmd, env = generate_command(["DATA"], True, ["--fastgen-disable", "kv_cache"], env={"PYTHONWARNINGS": "default"})
-    assert cmd == [exe, "DATA", "--user-dir", PLUGIN_DIR, "--fastgen-disable", "kv_cache"]
+    cmd, env = generate_command(["DATA"], True, ["--fastgen-disable", "vocab_pad"], env={"PYTHONWARNINGS": "default"})
+    assert cmd == [exe, "DATA", "--user-dir", PLUGIN_DIR, "--fastgen-disable", "vocab_pad"]
     assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in env and env["PYTHONWARNINGS"] == "default"
     assert "OMP_NUM_THREADS" not in env or env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS")
 

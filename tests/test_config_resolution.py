@@ -78,18 +78,18 @@ def test_precedence_default_then_flags_then_hydra_node(tiny):
 
     fairseq_fastgen.configure(attention=True)
     assert run_config.resolve().attention
-    assert run_config.resolve(None, {"kv_cache": False}).to_dict() == FastGenConfig(
-        attention=True, kv_cache=False).to_dict()
+    assert run_config.resolve(None, {"vocab_pad": False}).to_dict() == FastGenConfig(
+        attention=True, vocab_pad=False).to_dict()
     ns = Namespace(fastgen_bitwise=True, fastgen_ngram_blocker="torch")
     got = run_config.resolve(ns)
     assert got.bitwise and got.ngram_blocker == "torch" and got.attention
     args = options.parse_args_and_arch(options.get_generation_parser(),
                                        [str(tiny.data), "--fastgen-bitwise"])
     assert fg_config.active().bitwise  # the command line replaced the Python default
-    cfg = _hydra(convert_namespace_to_omegaconf(args), bitwise=False, kv_cache="false")
+    cfg = _hydra(convert_namespace_to_omegaconf(args), bitwise=False, vocab_pad="false")
     for node in (cfg, cfg.generation, cfg.task):  # any depth of the tree
         got = run_config.resolve(args, node)
-        assert not got.bitwise and not got.kv_cache
+        assert not got.bitwise and not got.vocab_pad
     assert run_config.resolve(args, cfg.generation) == config_sources.from_hydra(cfg.generation)
     whole = FastGenConfig(enabled=False)
     assert run_config.resolve(cfg, whole) is whole
@@ -97,13 +97,13 @@ def test_precedence_default_then_flags_then_hydra_node(tiny):
 
 
 def test_run_scope_is_current_until_it_ends():
-    outer, inner = FastGenConfig(bitwise=True), FastGenConfig(kv_cache=False)
+    outer, inner = FastGenConfig(bitwise=True), FastGenConfig(vocab_pad=False)
     assert run_config.current() is fg_config.active() and not run_config.generating()
     with run_config.run(outer) as got:
         assert got is outer and run_config.current() is outer
         assert not run_config.generating()
-        assert run_config.resolve({"kv_cache": False}) == FastGenConfig(bitwise=True,
-                                                                         kv_cache=False)
+        assert run_config.resolve({"vocab_pad": False}) == FastGenConfig(bitwise=True,
+                                                                         vocab_pad=False)
         with run_config.run(inner, generation=True):
             assert run_config.current() is inner and run_config.generating()
         assert run_config.current() is outer and not run_config.generating()

@@ -57,11 +57,10 @@ def test_native_slot_step_is_used(tiny):
     if native_step.load() is None:
         pytest.skip(f"C++ extension unavailable: {native_step.load_error()}")
     task, models, cfg = load(tiny.data, [tiny.preln])
-    for c, native in ((LOSSLESS, True), (PYTHON_SLOTS, False),
-                      (FastGenConfig(continuous="on", ancestor_kv=False), False)):
+    for c, native in ((LOSSLESS, True), (PYTHON_SLOTS, False)):
         _, fast = generators(task, models, c, beam=5)
         engine = ContinuousBeamSearch(fast)
-        assert [d._native is not None for d in engine.decoders] == [native]
+        assert [d.native() is not None for d in engine.decoders] == [native]
 
 
 @pytest.mark.parametrize("gen", [
@@ -121,7 +120,7 @@ def test_auto_on_cpu_needs_the_native_slot_step(tiny):
     if native_step.load() is not None:
         assert unsupported(fast, task) is None
     _, fast = generators(task, models, FastGenConfig(native_step=False), beam=5)
-    assert "auto on CPU without the C++ slot step" in unsupported(fast, task)
+    assert "auto on CPU without the C++ step" in unsupported(fast, task)
 
 
 def test_auto_on_cpu_sends_single_sentence_batches_to_the_batch_path(tiny, monkeypatch):
@@ -200,7 +199,7 @@ def test_cli_auto_on_cpu_logs_why(tiny):
     r = run_generate([str(tiny.data), "--path", str(tiny.preln), "--beam", "2",
                       "--fastgen-decode-workers", "1", "--fastgen-disable", "native_step"], plugin=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "continuous batching off: auto on CPU without the C++ slot step" in r.stderr
+    assert "continuous batching off: auto on CPU without the C++ step" in r.stderr
 
 
 def test_cli_auto_on_cpu_is_continuous_and_lossless(tiny):
@@ -223,9 +222,9 @@ def test_slot_rows_never_share_a_buffer_row(tiny):
     task, models, cfg = load(tiny.data, [tiny.preln])
     _, fast = generators(task, models, LOSSLESS, beam=2)
     d = fast.decoders()[0]
-    if d.native_for_slots() is None:
+    if d.native() is None:
         pytest.skip("C++ extension unavailable")
-    sd = SlotDecoder(d.stack, 2, native=d.native_for_slots())
+    sd = SlotDecoder(d.stack, 2, native=d.native())
     sample = next(iter(batches(task, cfg, 4)))
     cross = sd.batch_cross(fast.model.forward_encoder(sample["net_input"])[0])
     t = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731

@@ -38,13 +38,13 @@ def test_every_developer_field_is_documented():
 
 
 def test_cli_disable_and_tune_accumulate_and_coerce():
-    _, args = _parse(["--fastgen-disable", "native_step,kv_cache", "--fastgen-disable", "gemm",
+    _, args = _parse(["--fastgen-disable", "native_step,vocab_pad", "--fastgen-disable", "gemm",
                       "--fastgen-tune", "continuous_rows=8,margin_guard=2e-4",
                       "--fastgen-tune", "attention=true", "--fastgen-bitwise"])
     cfg = config_sources.from_namespace(args)
-    assert cfg.bitwise and not cfg.native_step and not cfg.kv_cache and cfg.gemm == "mkl"
+    assert cfg.bitwise and not cfg.native_step and not cfg.vocab_pad and cfg.gemm == "mkl"
     assert cfg.continuous_rows == 8 and cfg.margin_guard == 2e-4 and cfg.attention is True
-    assert cfg.shared_encoder and cfg.ancestor_kv  # the rest untouched
+    assert cfg.fused_cross_attention and cfg.native_candidates  # the rest untouched
     _, args = _parse(["--fastgen-disable", "ngram_blocker,packed_gemm_mb,margin_guard"])
     cfg = config_sources.from_namespace(args)
     assert (cfg.ngram_blocker, cfg.packed_gemm_mb, cfg.margin_guard) == ("stock", 0, 0.0)
@@ -70,7 +70,7 @@ def test_hydra_and_python_take_the_same_options(tiny):
                              "fastgen": {"disable": ["native_step", "kv_cache"],
                                          "tune": "gemm=onednn", "continuous_rows": 16}})
     cfg = config_sources.from_hydra(root.generation)
-    assert not cfg.native_step and not cfg.kv_cache and cfg.gemm == "onednn"
+    assert not cfg.native_step and not cfg.vocab_pad and cfg.gemm == "onednn"
     assert cfg.continuous_rows == 16
     before = fg_config.active()
     try:

@@ -41,7 +41,7 @@ def test_flags_on_fairseq_parsers():
         parser = make()
         dests = {a.dest for a in parser._actions}
         assert {"fastgen_bitwise", "fastgen_disable", "fastgen_tune"} <= dests
-        assert "fastgen_kv_cache" not in dests  # a developer option: --fastgen-disable
+        assert "fastgen_vocab_pad" not in dests  # a developer option: --fastgen-disable
 
 
 def test_flags_reach_active_config(tiny):
@@ -50,9 +50,9 @@ def test_flags_reach_active_config(tiny):
     try:
         parser = options.get_generation_parser()
         options.parse_args_and_arch(parser, [str(tiny.data), "--fastgen-bitwise",
-                                             "--fastgen-disable", "kv_cache", "--fastgen-tune", "ngram_blocker=torch"])
+                                             "--fastgen-disable", "vocab_pad", "--fastgen-tune", "ngram_blocker=torch"])
         cfg = fg_config.active()
-        assert cfg.bitwise and not cfg.kv_cache and cfg.ngram_blocker == "torch"
+        assert cfg.bitwise and not cfg.vocab_pad and cfg.ngram_blocker == "torch"
     finally:
         fg_config.set_active(before)
 
@@ -73,8 +73,8 @@ def test_bad_cli_value_is_rejected(tiny):
 def test_unknown_and_bad_keys_name_the_key():
     with pytest.raises(FastGenConfigError, match="unknown fastgen option 'bitwize'"):
         FastGenConfig.from_mapping({"bitwize": True})
-    with pytest.raises(FastGenConfigError, match="'kv_cache' must be true/false"):
-        FastGenConfig.from_mapping({"kv_cache": "maybe"})
+    with pytest.raises(FastGenConfigError, match="'vocab_pad' must be true/false"):
+        FastGenConfig.from_mapping({"vocab_pad": "maybe"})
     with pytest.raises(FastGenConfigError, match="'ngram_blocker'"):
         FastGenConfig(ngram_blocker="fast")
     with pytest.raises(FastGenConfigError, match="unknown fastgen option"):
@@ -102,9 +102,9 @@ def test_hydra_fastgen_node_is_read(tiny):
     args = options.parse_args_and_arch(options.get_generation_parser(), [str(tiny.data)])
     cfg = convert_namespace_to_omegaconf(args)
     with open_dict(cfg):
-        cfg.fastgen = {"bitwise": True, "kv_cache": "false"}
+        cfg.fastgen = {"bitwise": True, "vocab_pad": "false"}
     got = config_sources.from_hydra(cfg.generation)
-    assert got.bitwise and not got.kv_cache
+    assert got.bitwise and not got.vocab_pad
     with open_dict(cfg):
         cfg.fastgen = {"bitwize": True}
     with pytest.raises(FastGenConfigError, match="bitwize"):
@@ -125,7 +125,7 @@ def test_one_log_line_on_import():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = [l for l in p.stderr.splitlines() if "fairseq-fastgen: mode=" in l]
     assert len(lines) == 1, p.stderr
-    assert "shared_encoder" in lines[0] and "kv_cache" in lines[0]
+    assert "fast_decoder" in lines[0] and "native_step" in lines[0]
 
 
 def test_import_leaves_logging_alone():

@@ -1,17 +1,18 @@
-// The decoder layer stack of one incremental step, fairseq_fastgen's lossless-mode
-// arithmetic (fairseq_fastgen/models/layers.py, fast_decoder.py, cached_attention.py)
-// operation for operation, called from C++ instead of Python.
+// The decoder layer stack of one incremental step over rows at their own steps,
+// fairseq_fastgen's lossless-mode arithmetic (fairseq_fastgen/models/layers.py,
+// slot_decoder.py) operation for operation, called from C++ instead of Python.
 //
 // Why: a step of the Python layers makes ~100 eager calls, each parsed and dispatched
-// from Python. The same ATen calls with the same shapes, made here, give the same bits as
-// the Python step (tests/test_native_step.py checks it) at less dispatch cost (figures:
-// fairseq_fastgen/models/native_step.py). With an ancestor table the self-attention is
-// this file's own kernel (ancestor_attention), and with cfg.fused the encoder-decoder
-// attention is fused_cross_attention; both sum in another order.
+// from Python. The same ATen calls with the same shapes, made here, cost less dispatch
+// (figures: fairseq_fastgen/models/native_step.py); the norms, projections, FFN and
+// batched encoder-decoder attention give the Python step's bits (tests/test_native_step.py
+// checks it at a first step). The self-attention is this file's own kernel reading the
+// caches through an ancestor table (ancestor_attention), and with cfg.fused the
+// encoder-decoder attention is fused_cross_attention; both sum in another order.
 //
 // Layout of the per-layer inputs (see fairseq_fastgen/models/native_step.py):
 //   weights: per layer kWeights tensors (undefined = absent), in the order of enum W;
-//   caches:  per layer (k, v) self-attention buffers (capacity, n, C), step t written;
+//   caches:  per layer (k, v) self-attention buffers (capacity, rows, C);
 //   cross:   per layer (k, v, pad) encoder-decoder keys/values (bsz*H, S, hd) and
 //            padding mask (bsz, S) (k undefined: the layer has no encoder attention).
 #include <torch/extension.h>
@@ -104,33 +105,17 @@ void write_at_steps(Tensor& buf, const Tensor& src, int64_t col, const Tensor& l
   }
 }
 
-// Rows at one step t (lens undefined: this step's hypotheses are rows 0..n-1 of step t,
-// anc[h, t] == h) or each at its own (lens[h] - 1, written to cache row phys[h]).
+// Each row at its own step lens[h] - 1, written to cache row phys[h] and read through
+// the ancestor table (the buffers are never reordered).
 Tensor self_attention(const Config& cfg, const Tensor* w, const Tensor& x, Tensor& kbuf,
                       Tensor& vbuf, int64_t t, const Tensor& anc, const Tensor& lens,
                       const Tensor& phys) {
-  const int64_t n = x.size(0), c = x.size(1);
+  const int64_t c = x.size(1);
   Tensor qkv = linear(cfg, x, w[kQkvWt], w[kQkvB], w[kQkvPack]);
   Tensor q = qkv.slice(1, 0, c).mul(cfg.sa_scaling);
-  if (anc.defined()) {
-    if (lens.defined()) {
-      write_at_steps(kbuf, qkv, c, lens, phys);
-      write_at_steps(vbuf, qkv, 2 * c, lens, phys);
-    } else {
-      kbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, c, 2 * c));
-      vbuf.select(0, t).narrow(0, 0, n).copy_(qkv.slice(1, 2 * c, 3 * c));
-    }
-    Tensor out = ancestor_attention(q, kbuf, vbuf, anc, t + 1, cfg.heads, lens);
-    return linear(cfg, out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
-  }
-  kbuf.select(0, t).copy_(qkv.slice(1, c, 2 * c));
-  vbuf.select(0, t).copy_(qkv.slice(1, 2 * c, 3 * c));
-  const int64_t t1 = t + 1, bh = n * cfg.heads;
-  Tensor keys = kbuf.slice(0, 0, t1).reshape({t1, bh, cfg.head_dim}).transpose(0, 1);
-  Tensor values = vbuf.slice(0, 0, t1).reshape({t1, bh, cfg.head_dim}).transpose(0, 1);
-  Tensor s = at::bmm(q.reshape({bh, 1, cfg.head_dim}), keys.transpose(1, 2));
-  Tensor p = at::softmax(s, -1, at::kFloat).to(s.scalar_type());
-  Tensor out = at::bmm(p, values).view({n, c});
+  write_at_steps(kbuf, qkv, c, lens, phys);
+  write_at_steps(vbuf, qkv, 2 * c, lens, phys);
+  Tensor out = ancestor_attention(q, kbuf, vbuf, anc, t + 1, cfg.heads, lens);
   return linear(cfg, out, w[kSaOutWt], w[kSaOutB], w[kSaOutPack]);
 }
 
@@ -167,10 +152,10 @@ std::tuple<Tensor, Tensor> cross_attention(const Config& cfg, const Tensor* w, c
 
 // One decoder layer (TransformerDecoderLayerBase.forward, eval mode, incremental).
 struct Rows {  // where this step's rows read and write their self-attention keys/values
-  int64_t t;   // the step (the largest one, with lens)
-  Tensor anc;  // (n, >= t+1) int64 ancestor table, or undefined: caches in row order
-  Tensor lens; // (n,) int64 each row's step + 1, or undefined: every row at step t
-  Tensor phys; // (n,) int64 the cache row each row writes (with lens)
+  int64_t t;   // the largest step
+  Tensor anc;  // (n, >= t+1) int64 ancestor table
+  Tensor lens; // (n,) int64 each row's step + 1
+  Tensor phys; // (n,) int64 the cache row each row writes
 };
 
 std::tuple<Tensor, Tensor> layer(const Config& cfg, const Tensor* w, Tensor x, Tensor& kbuf,
@@ -219,9 +204,7 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
                                        int64_t t,
                                        int64_t beam, std::vector<double> scalars,
                                        std::vector<int64_t> ints, bool need_attn,
-                                       const std::optional<Tensor>& ancestors,
-                                       const std::optional<Tensor>& row_lens,
-                                       const std::optional<Tensor>& row_phys) {
+                                       Tensor ancestors, Tensor row_lens, Tensor row_phys) {
   const std::vector<Tensor> weights = defined_or_not(weights_in);
   const std::vector<Tensor> cross = defined_or_not(cross_in);
   const int64_t layers = static_cast<int64_t>(caches.size() / 2);
@@ -229,20 +212,18 @@ std::tuple<Tensor, Tensor> layers_step(Tensor x,
   TORCH_CHECK(static_cast<int64_t>(cross.size()) == layers * 3, "cross per layer");
   TORCH_CHECK(scalars.size() == static_cast<size_t>(layers * 5), "scalars per layer");
   TORCH_CHECK(ints.size() == 6, "heads, head_dim, normalize_before, activation, fused, onednn");
-  Rows rows{t, ancestors.has_value() ? *ancestors : Tensor(),
-            row_lens.has_value() ? *row_lens : Tensor(), row_phys.has_value() ? *row_phys : Tensor()};
-  if (rows.lens.defined()) {  // each row's own step reads the key/value it writes now
-    TORCH_CHECK(rows.anc.defined() && rows.phys.defined() && rows.lens.is_contiguous() &&
-                rows.phys.is_contiguous() && rows.lens.numel() == x.size(0) &&
-                rows.phys.numel() == x.size(0) && rows.anc.size(0) == x.size(0) &&
-                rows.anc.stride(1) == 1, "per-row steps: ancestors, lens and phys per row");
-    int64_t* ap = rows.anc.data_ptr<int64_t>();
-    const int64_t* lp = rows.lens.data_ptr<int64_t>();
-    const int64_t* pp = rows.phys.data_ptr<int64_t>();
-    for (int64_t r = 0; r < x.size(0); ++r) {
-      TORCH_CHECK(lp[r] >= 1 && lp[r] <= t + 1 && lp[r] <= rows.anc.size(1), "row step out of range");
-      ap[r * rows.anc.stride(0) + lp[r] - 1] = pp[r];
-    }
+  Rows rows{t, ancestors, row_lens, row_phys};
+  // each row's own step reads the key/value it writes now
+  TORCH_CHECK(rows.lens.is_contiguous() && rows.phys.is_contiguous() &&
+              rows.lens.numel() == x.size(0) && rows.phys.numel() == x.size(0) &&
+              rows.anc.size(0) == x.size(0) && rows.anc.stride(1) == 1,
+              "per-row steps: ancestors, lens and phys per row");
+  int64_t* ap = rows.anc.data_ptr<int64_t>();
+  const int64_t* lp = rows.lens.data_ptr<int64_t>();
+  const int64_t* pp = rows.phys.data_ptr<int64_t>();
+  for (int64_t r = 0; r < x.size(0); ++r) {
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= t + 1 && lp[r] <= rows.anc.size(1), "row step out of range");
+    ap[r * rows.anc.stride(0) + lp[r] - 1] = pp[r];
   }
   Tensor attn;
   for (int64_t i = 0; i < layers; ++i) {

@@ -1,13 +1,13 @@
-"""The decoder layer stack both fast drivers run: fairseq's modules, read in fairseq's order.
+"""The decoder layer stack the fast step runs: fairseq's modules, read in fairseq's order.
 
-:class:`~fairseq_fastgen.models.fast_decoder.FastDecoder` (one token per hypothesis per
-step) and :class:`~fairseq_fastgen.models.verify.VerifyDecoder` (a block of tokens per row)
-differ only in how self-attention reads its cache; everything else is here, once: the
-embedding, each layer's norms, encoder-decoder attention and FFN, the final features, the
-output projection and the normalization.  Every arithmetic operation mirrors fairseq's
-eval-mode path (``TransformerDecoderBase.extract_features_scriptable`` ->
-``TransformerDecoderLayerBase.forward`` -> ``MultiheadAttention.forward``), in the same
-order and with the same GEMM shapes in bitwise mode.
+:class:`~fairseq_fastgen.models.slot_decoder.SlotDecoder` owns the caches and the
+self-attention over them; everything else is here, once: the embedding, each layer's
+norms, encoder-decoder attention and FFN, the final features, the output projection and
+the normalization.  Every arithmetic operation mirrors fairseq's eval-mode path
+(``TransformerDecoderBase.extract_features_scriptable`` ->
+``TransformerDecoderLayerBase.forward`` -> ``MultiheadAttention.forward``) in the same
+order, through transposed weight copies and fused q/k/v GEMMs (other GEMM shapes: lossless
+mode; bitwise mode runs stock's modules).
 """
 import copy
 from typing import Callable, List, Optional, Tuple
@@ -30,13 +30,13 @@ LPROB_BLOCK = 128  # rows per block of the blocked output projection + log_softm
 
 
 class LayerWeights:
-    """Per-layer projections gathered once: the model's own modules (bitwise mode), or
+    """Per-layer projections gathered once:
     :class:`~fairseq_fastgen.models.linear.TransposedLinear` copies of their weights
-    (lossless mode; q/k/v fused into one GEMM)."""
+    (q/k/v fused into one GEMM), or the module itself where a copy does not serve."""
 
-    def __init__(self, layer: TransformerDecoderLayerBase, lossless: bool, max_packs: int = 0,
+    def __init__(self, layer: TransformerDecoderLayerBase, max_packs: int = 0,
                  onednn: bool = False):
-        """max_packs: row counts each projection may pack (lossless mode; see
+        """max_packs: row counts each projection may pack (see
         :mod:`~fairseq_fastgen.models.packed_gemm`); onednn: the copies' GEMMs run on
         oneDNN (:mod:`~fairseq_fastgen.models.gemm_kernel`)."""
         sa, ea = layer.self_attn, layer.encoder_attn
@@ -46,14 +46,13 @@ class LayerWeights:
         self.dim = sa.embed_dim
         self.scaling = sa.scaling
         qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
-        p, d = max_packs, onednn  # only the transposed copies (lossless mode) use them
-        self.qkv = (TransposedLinear(qkv, p, d)
-                    if lossless and TransposedLinear.usable(qkv) else None)
-        self.sa_out = projection(sa.out_proj, lossless, p, d)
-        self.fc1 = projection(layer.fc1, lossless, p, d)
-        self.fc2 = projection(layer.fc2, lossless, p, d)
-        self.ea_q = projection(ea.q_proj, lossless, p, d) if ea is not None else None
-        self.ea_out = projection(ea.out_proj, lossless, p, d) if ea is not None else None
+        p, d = max_packs, onednn  # only the transposed copies use them
+        self.qkv = TransposedLinear(qkv, p, d) if TransposedLinear.usable(qkv) else None
+        self.sa_out = projection(sa.out_proj, True, p, d)
+        self.fc1 = projection(layer.fc1, True, p, d)
+        self.fc2 = projection(layer.fc2, True, p, d)
+        self.ea_q = projection(ea.q_proj, True, p, d) if ea is not None else None
+        self.ea_out = projection(ea.out_proj, True, p, d) if ea is not None else None
 
     def refresh(self) -> None:
         """Re-read copied weights that changed (the model may have trained since)."""
@@ -67,8 +66,8 @@ class LayerWeights:
         return twin
 
     def project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """Scaled queries, keys and values of x: (rows, C) each; one fused GEMM unless
-        bitwise (then q/k/v GEMMs as stock computes them)."""
+        """Scaled queries, keys and values of x: (rows, C) each; one fused GEMM where the
+        copy serves (else q/k/v GEMMs as stock computes them)."""
         sa = self.layer.self_attn
         c = x.size(-1)
         if self.qkv is not None:
@@ -90,43 +89,42 @@ class DecoderStack:
     """One fairseq ``TransformerDecoder`` as the drivers run it; holds only what is derived
     from the weights (transposed and padded copies, the logit bound), no per-batch state."""
 
-    def __init__(self, model, bitwise: bool = False, vocab_pad: bool = True,
-                 packed_gemm_mb: int = 0, gemm: str = "mkl"):
+    def __init__(self, model, vocab_pad: bool = True, packed_gemm_mb: int = 0,
+                 gemm: str = "mkl"):
         """packed_gemm_mb: MiB of MKL packed weights the projections may keep (lossless
         mode on CPU; 0: plain GEMMs); gemm: the projections' kernel, one of
         :data:`~fairseq_fastgen.config.GEMM_KERNELS` (lossless mode)."""
         self.model = model
         self.decoder: TransformerDecoderBase = model.decoder
-        self.bitwise = bitwise
-        self.onednn = not bitwise and _use_onednn(gemm, self.decoder)
-        packs = 0 if bitwise or self.onednn else packs_within(
+        self.onednn = _use_onednn(gemm, self.decoder)
+        packs = 0 if self.onednn else packs_within(
             packed_gemm_mb, _projection_bytes(self.decoder))
         # Fused q/k/v and transposed weight copies change GEMM shapes/kernels (last bits):
         # lossless mode only.
-        self.layers = [LayerWeights(l, lossless=not bitwise, max_packs=packs, onednn=self.onednn)
+        self.layers = [LayerWeights(l, max_packs=packs, onednn=self.onednn)
                        for l in self.decoder.layers]
         # A padded copy of the output projection is a differently blocked GEMM: lossless
         # mode only.
         proj = self.decoder.output_projection
         self._padded_proj = (
             PaddedProjection(proj, max_packs=packs, onednn=self.onednn)
-            if vocab_pad and not bitwise and PaddedProjection.worthwhile(proj) else None)
+            if vocab_pad and PaddedProjection.worthwhile(proj) else None)
         # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
         # callers normalize whole rows, then keep [..., :vocab]
-        self._out_t = (projection(proj, not bitwise, packs, self.onednn)
+        self._out_t = (projection(proj, True, packs, self.onednn)
                        if proj is not None else None)
         # blocked output projection + log_softmax (another GEMM blocking: lossless mode)
-        self._blocked_lprobs = not bitwise and proj is not None and standard_normalization(model)
+        self._blocked_lprobs = proj is not None and standard_normalization(model)
         self._lprob_buf: Optional[Tensor] = None
         self.vocab = proj.out_features if proj is not None else len(self.decoder.dictionary)
         self._w_bound_key: Optional[tuple] = None  # params_key of the cached weight bound
         self._w_bound: Tuple[float, float] = (0.0, 0.0)
 
     def with_gemm(self, onednn: bool) -> "DecoderStack":
-        """This stack with its projection copies on oneDNN or MKL (not in bitwise mode),
+        """This stack with its projection copies on oneDNN or MKL,
         sharing the copies (continuous batching's reference decoding,
         search/continuous/margins.py); itself when it already runs there."""
-        onednn = onednn and not self.bitwise and gemm_kernel.available()
+        onednn = onednn and gemm_kernel.available()
         if onednn == self.onednn:
             return self
         twin = copy.copy(self)
@@ -141,7 +139,7 @@ class DecoderStack:
     def onednn_serves(self, mode: str) -> bool:
         """Whether oneDNN serves this decoder (``onednn``: fp32 on CPU, where torch has it;
         ``auto``: also measured clearly faster than MKL)."""
-        return not self.bitwise and _use_onednn(mode, self.decoder)
+        return _use_onednn(mode, self.decoder)
 
     def prepare(self) -> None:
         """Build (or re-read, when the model's weights changed) everything derived from
@@ -169,10 +167,10 @@ class DecoderStack:
         dummy = torch.full((1, steps), self.decoder.padding_idx + 1, dtype=torch.long, device=dev)
         return pos(dummy)
 
-    def cross_caches(self, encoder_out: Optional[dict], beam: int, shared: bool
-                     ) -> List[Optional[CrossAttentionCache]]:
+    def cross_caches(self, encoder_out: Optional[dict]) -> List[Optional[CrossAttentionCache]]:
         """Each layer's encoder-decoder keys/values for ``encoder_out`` (fairseq's encoder
-        output of bsz sentences, not replicated); None for layers without one."""
+        output of bsz sentences, not replicated: once per sentence); None for layers
+        without one."""
         enc = pad = None
         if encoder_out is not None and len(encoder_out["encoder_out"]) > 0:
             enc = encoder_out["encoder_out"][0]
@@ -182,12 +180,8 @@ class DecoderStack:
         with gemm_kernel.linears(self.onednn):  # the keys/values: the modules' own GEMMs
             for l in self.layers:
                 ea = l.layer.encoder_attn
-                if ea is None or enc is None:
-                    caches.append(None)
-                else:
-                    caches.append(CrossAttentionCache(
-                        ea, enc, pad, beam, shared=shared, bitwise=self.bitwise,
-                        q_proj=l.ea_q, out_proj=l.ea_out))
+                caches.append(None if ea is None or enc is None else
+                              CrossAttentionCache(ea, enc, pad))
         return caches
 
     def device_dtype(self):

@@ -3,13 +3,14 @@
 A step of the Python layers makes ~100 eager calls, each parsed and dispatched from Python;
 making the same ATen calls on the same shapes from C++ took a step of the bundled 3-layer
 es->en model from 1.82 to 1.59 ms at 5 rows and from 2.94 to 2.72 ms at 40 (Intel Xeon, 2
-threads; see benchmarks/results/NOTES.md, "Native decoder step"), with the same bits as
-the Python step of :class:`~fairseq_fastgen.models.layers.DecoderStack` in lossless mode
-(tests/test_native_step.py).  With ``ancestor_kv`` the self-attention is the extension's
-own kernel instead (``ancestor_attention`` in ``csrc/attention_kernels.cpp``: the caches
-are read in place through an ancestor table, see :meth:`FastDecoder.reorder`), and with
-``fused_cross_attention`` the encoder-decoder attention is ``fused_cross_attention`` (one
-pass per sentence, no reshape copies); both sum in another order (lossless mode).  The
+threads; see benchmarks/results/NOTES.md, "Native decoder step").  The projections, norms,
+FFN and batched encoder-decoder attention are the Python step's
+(:class:`~fairseq_fastgen.models.layers.DecoderStack`) bit for bit; the self-attention is
+the extension's own kernel (``ancestor_attention`` in ``csrc/attention_kernels.cpp``: the
+caches are read in place through an ancestor table, see
+:mod:`~fairseq_fastgen.models.slot_decoder`), and with ``fused_cross_attention`` the
+encoder-decoder attention is ``fused_cross_attention`` (one pass per sentence, no reshape
+copies); both sum in another order (lossless mode; tests/test_native_step.py).  The
 projections run on MKL or oneDNN as the Python step's do (``gemm_kernel``).
 
 The extension is compiled once per torch version, source and kind of CPU (``-O3
@@ -143,9 +144,7 @@ def _norm(m) -> Optional[Tuple[Optional[Tensor], Optional[Tensor], float]]:
 
 
 def unsupported(stack) -> Optional[str]:
-    """Why ``stack`` (a lossless-mode DecoderStack) cannot run the C++ layers (None: it can)."""
-    if stack.bitwise:
-        return "bitwise mode"
+    """Why ``stack`` (a DecoderStack) cannot run the C++ layers (None: it can)."""
     if stack.device_dtype()[0].type != "cpu":
         return "not on CPU"
     if not stack.layers:
@@ -238,38 +237,18 @@ class NativeLayers:
             out += [*_norm(layer.final_layer_norm)[:2], *_proj(l.fc1, rows), *_proj(l.fc2, rows)]
         return out
 
-    def __call__(self, x: Tensor, self_kv, cross, t: int, beam: int, need_attn: bool,
-                 ancestors: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-        """x: (n, C) embedded queries at step t; self_kv: each layer's KVCache (t keys so
-        far); cross: each layer's CrossAttentionCache (merged) or None; ancestors: (n,
-        >= t+1) int64, the row of each step holding each hypothesis's key/value (column
-        t: the hypothesis itself), or None: the caches are in hypothesis order.  Returns
-        (n, C) and the last layer's head-averaged cross-attention (n, S) if need_attn."""
-        caches: List[Tensor] = []
-        for c in self_kv:
-            caches += c.next_slot()
-        xs: List[Optional[Tensor]] = []
-        for c in cross:
-            xs += [None, None, None] if c is None else [c.k, c.v, c.pad]
-        out, attn = self.module.layers_step(x, self.weights(x.size(0)), caches, xs, t, beam,
-                                            self.scalars, self.ints, need_attn, ancestors,
-                                            None, None)
-        for c in self_kv:
-            c.advance()
-        return out, attn
-
     def at_row_steps(self, x: Tensor, caches: List[Tensor], xs: List[Optional[Tensor]],
                      t_max: int, beam: int, ancestors: Tensor, lens: Tensor,
-                     phys: Tensor) -> Tensor:
-        """Rows at different steps (continuous batching): x (n, C) embedded queries;
+                     phys: Tensor, need_attn: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """Rows at their own steps: x (n, C) embedded queries;
         caches: each layer's (k, v) buffers (T, P, C), row h's step-s key/value in row
         ``ancestors[h, s]`` of step s; lens (n,) int64 each row's step + 1 (<= t_max + 1);
         phys (n,) int64 the buffer row each row writes at its step (column lens - 1 of
         ``ancestors`` is set to it); xs: each layer's (k, v, pad) of the rows' slots, or
-        three None.  Returns (n, C)."""
-        out, _ = self.module.layers_step(x, self.weights(x.size(0)), caches, xs, t_max, beam,
-                                         self.scalars, self.ints, False, ancestors, lens, phys)
-        return out
+        three None.  Returns (n, C) and, if need_attn, the last layer's head-averaged
+        cross-attention (n, S)."""
+        return self.module.layers_step(x, self.weights(x.size(0)), caches, xs, t_max, beam,
+                                       self.scalars, self.ints, need_attn, ancestors, lens, phys)
 
 
 def _proj(p: TransposedLinear, rows: int):

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..models.verify import VerifyDecoder
+from ..models.slot_decoder import SlotDecoder
 
 
 class Proposal(NamedTuple):
@@ -205,20 +205,20 @@ class DraftModelDrafts:
     """Drafts from a small autoregressive fairseq model with the target's dictionary
     (generalized aggressive decoding / speculative decoding, greedy-exact).
 
-    The draft model runs on its own :class:`~fairseq_fastgen.models.verify.VerifyDecoder`
-    (held by the caller across batches) with a ragged cache: each proposal first feeds the tokens of the hypothesis it has not
+    The draft model runs on its own :class:`~fairseq_fastgen.models.slot_decoder.SlotDecoder`
+    (held by the caller across batches; blocks of tokens per row, each row at its own length): each proposal first feeds the tokens of the hypothesis it has not
     seen yet (one block: the verified model's bonus token, and the last draft token when
     the whole draft was accepted), then drafts greedily one token per pass.  After a
     verification, the draft cache keeps the accepted prefix (rollback = length).
     """
 
-    def __init__(self, vd: VerifyDecoder, net_input, bsz: int, max_len: int, max_draft: int,
+    def __init__(self, vd: SlotDecoder, net_input, bsz: int, max_len: int, max_draft: int,
                  eos: int, pad: int, min_len: int = 0):
-        """vd: the draft model's VerifyDecoder; net_input: the batch's (the draft model
+        """vd: the draft model's decoder (beam 1); net_input: the batch's (the draft model
         encodes the source itself)."""
         self.vd = vd
-        enc = vd.model.encoder.forward_torchscript(net_input)
-        self.vd.start(enc, bsz, max_len + max_draft + 1, 2 * max_draft + 2)
+        enc = vd.stack.model.encoder.forward_torchscript(net_input)
+        self.vd.start(enc, bsz, max_len + max_draft + 2, room=2 * max_draft + 2)
         self.eos, self.pad, self.min_len = eos, pad, min_len
         dev = net_input["src_tokens"].device
         self.seen = torch.zeros(bsz, dtype=torch.long, device=dev)  # hypothesis tokens cached
@@ -247,12 +247,12 @@ class DraftModelDrafts:
         block = tokens.gather(1, idx)
         last = c - 1
         flat = torch.arange(n, device=dev) * L + last
-        logits = self.vd.forward(block, self.seen, flat).scores
+        logits = self.vd.block(block, self.seen, flat).scores
         nxt = self._pick(logits, t)
         draft[:, 0] = nxt
         pos = t + 1
         for i in range(1, k):
-            logits = self.vd.forward(nxt.unsqueeze(1), pos, None).scores
+            logits = self.vd.block(nxt.unsqueeze(1), pos, None).scores
             nxt = self._pick(logits, pos)
             draft[:, i] = nxt
             pos = pos + 1

@@ -1,10 +1,12 @@
 """FastSequenceGenerator: a drop-in for fairseq's ``SequenceGenerator``.
 
 Same constructor arguments and the same ``generate()`` result; beam search over fairseq
-transformer models runs on :class:`~fairseq_fastgen.models.fast_decoder.FastDecoder`
-(beam-shared encoder states, in-place KV cache, attention weights only when needed), and
-the step bookkeeping skips work nobody reads; stock's per-step masks come from
-:mod:`~fairseq_fastgen.search.step_rules`.  Greedy search (beam 1) with
+transformer models runs on :class:`~fairseq_fastgen.models.slot_decoder.SlotDecoder`, the
+one decoder step of the fast paths (a batch's sentences fill its slots once: beam-shared
+encoder states, caches kept in place, attention weights only when needed), and the step
+bookkeeping skips work nobody reads; stock's per-step masks come from
+:mod:`~fairseq_fastgen.search.step_rules`.  Bitwise mode runs stock's loop and modules
+(the reference every fast path is checked against).  Greedy search (beam 1) with
 ``--fastgen-aggressive`` is served by the strategy the generator owns,
 :class:`~fairseq_fastgen.search.aggressive.AggressiveDecoding`, when it applies to the
 batch.  ``--sampling`` runs the same loop with fairseq's own ``Sampling.step`` over
@@ -26,7 +28,8 @@ from fairseq.sequence_generator import SequenceGenerator
 from ..config import FastGenConfig
 from ..run_config import current
 from ..models import gemm_kernel, precision
-from ..models.fast_decoder import FastDecoder
+from ..models.layers import DecoderStack
+from ..models.slot_decoder import SlotDecoder
 from ..models.support import unsupported_reason
 from .aggressive import AggressiveDecoding, Tunables, unsupported as aggressive_unsupported
 from .candidates import beam_search_step
@@ -36,6 +39,8 @@ from .step_rules import StepAt, StepRules
 
 logger = logging.getLogger(__name__)
 _logged = set()
+# bitwise mode runs stock's loop and modules: the reference, not a fallback
+BITWISE = "bitwise mode: stock's loop and modules"
 
 
 def _log_once(msg: str) -> None:
@@ -62,7 +67,7 @@ class FastSequenceGenerator(SequenceGenerator):
         self.need_attn = need_attn or self.fastgen.attention
         if no_repeat > 0 and self.fastgen.enabled:
             self.repeat_ngram_blocker = build_blocker(no_repeat, self.fastgen.ngram_blocker)
-        self._fast_decoders: Optional[List[FastDecoder]] = None
+        self._fast_decoders: Optional[List[SlotDecoder]] = None
         self._aggressive_tunables = aggressive_tunables
         self._aggressive: Optional[AggressiveDecoding] = None  # built at its first batch
         # fairseq's own Sampling.step draws, over stock's rows: the same random stream
@@ -91,7 +96,7 @@ class FastSequenceGenerator(SequenceGenerator):
             reason = unsupported_reason(m)
             if reason is not None:
                 return reason
-        return None
+        return BITWISE if cfg.bitwise else None
 
     def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens=None,
                   constraints=None, bos_token=None):
@@ -109,8 +114,11 @@ class FastSequenceGenerator(SequenceGenerator):
         if reason is None and (constraints is not None or "src_tokens" not in sample["net_input"]):
             reason = "lexical constraints" if constraints is not None else "non-text source"
         if reason is not None:
-            if self.fastgen.log_fallbacks:
+            if self.fastgen.log_fallbacks and reason != BITWISE:  # the mode, not a fallback
                 _log_once(f"fairseq-fastgen: stock generator loop ({reason})")
+            elif self.fastgen.log_fallbacks and self.beam_size == 1 and self.fastgen.aggressive != "off":
+                _log_once("fairseq-fastgen: aggressive decoding off (bitwise mode: a block "
+                          "pass is not bit-identical); stock's greedy loop")
             return super()._generate(sample, prefix_tokens, constraints, bos_token)
         # no_grad, not inference_mode: callers (fairseq_cli.generate) update the returned
         # score tensors in place, which inference tensors forbid.
@@ -130,7 +138,7 @@ class FastSequenceGenerator(SequenceGenerator):
         reason = "sampling" if self.sampling else aggressive_unsupported(
             self.fastgen, self.model.models, self.need_attn, rules, sample, self.tgt_dict)
         if reason is not None:
-            if self.fastgen.log_fallbacks:
+            if self.fastgen.log_fallbacks and reason != BITWISE:  # the mode, not a fallback
                 _log_once(f"fairseq-fastgen: aggressive decoding off ({reason}); regular greedy")
             return None
         if self._aggressive is None:
@@ -156,19 +164,18 @@ class FastSequenceGenerator(SequenceGenerator):
         with gemm_kernel.linears(onednn):
             return self.model.forward_encoder(net_input)
 
-    def decoders(self) -> List[FastDecoder]:
+    def decoders(self) -> List[SlotDecoder]:
+        """Each model's decoder step for the batch-at-a-time loop, on MKL (oneDNN is
+        continuous batching's alone, under its margin guard: search/continuous/)."""
         if self._fast_decoders is None:
             cfg = self.fastgen
             # the C++ step, oneDNN and MKL packs: fp32 only (tests/test_half_precision.py)
             fp32 = not self.bf16() and next(self.model.parameters()).dtype == torch.float32
             self._fast_decoders = [
-                FastDecoder(m, shared_encoder=cfg.shared_encoder, kv_cache=cfg.kv_cache,
-                            bitwise=cfg.bitwise, vocab_pad=cfg.vocab_pad,
-                            packed_gemm_mb=cfg.packed_gemm_mb if fp32 else 0,
-                            native=cfg.native_step and fp32,
-                            ancestor_kv=cfg.ancestor_kv, kv_reuse=cfg.kv_reuse,
-                            fused_cross=cfg.fused_cross_attention)  # MKL: oneDNN is
-                # continuous batching's alone, under its margin guard (search/continuous/)
+                SlotDecoder(DecoderStack(m, vocab_pad=cfg.vocab_pad,
+                                         packed_gemm_mb=cfg.packed_gemm_mb if fp32 else 0),
+                            self.beam_size, build_native=cfg.native_step and fp32,
+                            fused_cross=cfg.fused_cross_attention)
                 for m in self.model.models
             ]
         return self._fast_decoders
@@ -190,7 +197,7 @@ class FastSequenceGenerator(SequenceGenerator):
         decoders = self.decoders()
         encoder_outs = self.forward_encoder(net_input)
         for i, d in enumerate(decoders):
-            d.start(encoder_outs[i] if encoder_outs is not None else None, bsz, beam_size, max_len)
+            d.start(encoder_outs[i] if encoder_outs is not None else None, bsz, max_len + 1)
         del encoder_outs
 
         n = bsz * beam_size
@@ -208,12 +215,11 @@ class FastSequenceGenerator(SequenceGenerator):
         bbsz_offsets = (torch.arange(0, bsz) * beam_size).unsqueeze(1).type_as(tokens).to(src_tokens.device)
         cand_offsets = torch.arange(0, cand_size).type_as(tokens).to(src_tokens.device)
 
-        # fairseq's BeamSearch.step / Sampling.step in bitwise mode (exact tie order,
-        # stock's draws); else the same candidates without a top-k over every
+        # the same candidates as fairseq's BeamSearch.step without a top-k over every
         # (hypothesis, word) pair, or stock's draws with their boundary draws counted
         near = [0]  # boundary draws of the batch (a device tensor once counted)
         # half-precision logits tie often: stock's top-k, whose order among ties is stock's
-        if self.fastgen.bitwise or next(self.model.parameters()).dtype != torch.float32:
+        if next(self.model.parameters()).dtype != torch.float32:
             select = self.search.step
         elif self.sampling:
             def select(step, lp, sc, *_):
@@ -237,13 +243,11 @@ class FastSequenceGenerator(SequenceGenerator):
                     corr = batch_idxs - torch.arange(batch_idxs.numel()).type_as(batch_idxs)
                     reorder_state.view(-1, beam_size).add_(corr.unsqueeze(-1) * beam_size)
                     original_batch_idxs = original_batch_idxs[batch_idxs]
-                    for d in decoders:
-                        d.select_sentences(batch_idxs, reorder_state)
                 for d in decoders:
-                    d.reorder(reorder_state)
+                    d.reorder(reorder_state, batch_idxs, step)
 
             lprobs, avg_attn_scores, finite = self._forward_decoders(
-                decoders, tokens[:, : step + 1], need_attn)
+                decoders, tokens[:, step], step, need_attn)
 
             # stock's masks; its NaN scan skipped when every model's logits were proven
             # finite (then log_softmax has no NaN; cheap bound check on CPU, see DecoderStack)
@@ -370,18 +374,19 @@ class FastSequenceGenerator(SequenceGenerator):
             lprobs = self.replicate_first_beam(lprobs, eos_mask_batch_dim, beam_size)
         return lprobs, tokens, scores
 
-    def _forward_decoders(self, decoders: List[FastDecoder], tokens: Tensor, need_attn: bool):
+    def _forward_decoders(self, decoders: List[SlotDecoder], last: Tensor, step: int,
+                          need_attn: bool):
         """Ensemble step, combined exactly as fairseq's ``EnsembleModel.forward_decoder``.
 
-        tokens: (n, step+1) int64. Returns lprobs (n, V) float32, attention (n, S) or None,
-        and whether every model's logits were proven finite.
+        last: (n,) int64 each hypothesis's latest token, at ``step``. Returns lprobs (n, V)
+        float32, attention (n, S) or None, and whether every model's logits were proven
+        finite.
         """
         log_probs = []
         avg_attn: Optional[Tensor] = None
         finite = True
         for d in decoders:
-            probs, attn, d_finite = d.step(tokens, need_attn, self.temperature)
-            probs = probs[:, : d.vocab]
+            probs, attn, d_finite = d.step(last, None, step, self.temperature, need_attn)
             finite = finite and d_finite
             if len(decoders) == 1:
                 return probs, attn, finite

@@ -6,7 +6,7 @@ pass, keeps the longest prefix greedy search would have produced plus the model'
 token, and drafts again.  This implementation:
 
 * **batches with the cache**: every row of a batch feeds its last token and its own draft
-  in one block pass (:class:`~fairseq_fastgen.models.verify.VerifyDecoder`), rows accept
+  in one block pass (:meth:`SlotDecoder.block <fairseq_fastgen.models.slot_decoder.SlotDecoder.block>`), rows accept
   different numbers of tokens, the self-attention cache keeps a length per row and a
   rejected draft is rolled back by not advancing that length (masked, then overwritten);
   finished rows leave the batch at once (:class:`~.rows.Rows`);

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from ...config import FastGenConfig
 from ...models.support import unsupported_reason
-from ...models.verify import VerifyDecoder
+from ...models.layers import DecoderStack
+from ...models.slot_decoder import SlotDecoder
 from ..drafts import DraftModelDrafts, SourceDrafts, SubstitutionMemory, load_draft_model
 from ..ngram_blocker import NGramBlocker
 from ..step_rules import StepAt, StepRules
@@ -27,8 +28,6 @@ Hypotheses = List[List[Dict[str, Tensor]]]
 def unsupported(cfg: FastGenConfig, models: list, need_attn: bool, rules: StepRules,
                 sample: dict, tgt_dict) -> Optional[str]:
     """Why aggressive decoding cannot serve this generator/sample (None if it can)."""
-    if cfg.bitwise:
-        return "bitwise mode (a block pass is not bit-identical)"
     if len(models) != 1:
         return "ensemble"
     if need_attn:
@@ -57,7 +56,9 @@ class AggressiveDecoding:
     def __init__(self, model, tgt_dict, cfg: FastGenConfig, tunables: Optional[Tunables] = None):
         self.model = model
         self.tunables = tunables or Tunables()
-        self.vd = VerifyDecoder(model, vocab_pad=cfg.vocab_pad, packed_gemm_mb=cfg.packed_gemm_mb)
+        # one row per sentence (beam 1), blocks through the reference step (Python layers)
+        self.vd = SlotDecoder(DecoderStack(model, vocab_pad=cfg.vocab_pad,
+                                           packed_gemm_mb=cfg.packed_gemm_mb), 1)
         self.stats = AcceptanceStats()
         self.chooser = SpeedChooser()
         self.block_cost = BlockCost(self.tunables)
@@ -65,13 +66,13 @@ class AggressiveDecoding:
         self._batches = 0
         self.vocab_size = len(tgt_dict)
         self.substitutions = SubstitutionMemory(len(tgt_dict))
-        self.draft_vd: Optional[VerifyDecoder] = None
+        self.draft_vd: Optional[SlotDecoder] = None
         if cfg.draft_model:
             draft_model = load_draft_model(cfg.draft_model, model, tgt_dict)
             reason = unsupported_reason(draft_model)
             if reason is not None:
                 raise ValueError(f"draft model {cfg.draft_model}: {reason}")
-            self.draft_vd = VerifyDecoder(draft_model)
+            self.draft_vd = SlotDecoder(DecoderStack(draft_model), 1)
         src_dict = getattr(model.encoder, "dictionary", None)
         self.id_map = None
         if src_dict is not None and src_dict != tgt_dict:
@@ -122,7 +123,7 @@ class AggressiveDecoding:
         encoder_outs = encode(net_input)
         max_draft = max(0, min(tn.max_draft, max_len))
         W = max_draft + 1  # the widest block
-        self.vd.start(encoder_outs[0], bsz, max_len, W)
+        self.vd.start(encoder_outs[0], bsz, max_len + 1, room=W)
         del encoder_outs
         drafts = self._drafts(net_input, bsz, max_len, max_draft, rules)
 
@@ -184,8 +185,8 @@ class AggressiveDecoding:
                     flat = valid.view(-1).nonzero().squeeze(1)
                     rr = flat // L
                     steps = t[rr] + flat % L
-            out = self.vd.forward(inp, t, flat, bounds=(t_lo, t_hi), log_probs=True,
-                                  temperature=rules.temperature)
+            out = self.vd.block(inp, t, flat, bounds=(t_lo, t_hi), log_probs=True,
+                                temperature=rules.temperature)
             lprobs = out.scores[:, : self.vd.vocab]
             at = StepAt(t_lo, t_hi + L - 1, steps, rr)
             rules.mask_step(lprobs, at, max_len, out.logits_finite, rows.prefix_tokens)

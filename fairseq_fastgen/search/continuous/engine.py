@@ -29,7 +29,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...models.slot_decoder import SlotDecoder
 from ..step_rules import StepRules
 from . import margins, stream
 from .inputs import Feed
@@ -71,12 +70,7 @@ class ContinuousBeamSearch:
         self.singles_regular = regular is not None and generator.fastgen.continuous == "auto" \
             and not next(generator.model.parameters()).is_cuda
         # the generator's own layer stacks, on this engine's kernel: one copy of the weights
-        self.decoders = []
-        for d in generator.decoders():
-            stack = d.stack.with_gemm(self.onednn)
-            native = d.native_for_slots()
-            self.decoders.append(SlotDecoder(
-                stack, self.beam, native=native.for_stack(stack) if native is not None else None))
+        self.decoders = [d.on_stack(d.stack.with_gemm(self.onednn)) for d in generator.decoders()]
         self._reference: Optional["ContinuousBeamSearch"] = None
         if self.multiple > 0:
             logger.info("fairseq-fastgen: continuous batching on oneDNN GEMMs; a sentence "

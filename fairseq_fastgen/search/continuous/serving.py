@@ -70,8 +70,8 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
     if task is not None and type(task).inference_step is not FairseqTask.inference_step:
         return f"task {type(task).__name__} has its own inference_step"
     if cfg.continuous == "auto" and not next(generator.model.parameters()).is_cuda and \
-            any(d.native_for_slots() is None for d in generator.decoders()):
+            any(d.native() is None for d in generator.decoders()):
         # measured: docs/continuous-batching.md (the Python slot step is slower on CPU)
-        return ("auto on CPU without the C++ slot step (it needs the native step, "
-                "ancestor-indexed caches and fp32; --fastgen-continuous on forces it)")
+        return ("auto on CPU without the C++ step (it needs the native step and fp32; "
+                "--fastgen-continuous on forces it)")
     return None

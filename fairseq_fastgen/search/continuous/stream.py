@@ -230,9 +230,9 @@ class StreamRun:
         temp = self.eng.gen.temperature
         outs = [d.step(last, row_steps, t_max, temp) for d in self.eng.decoders]
         if len(outs) == 1:
-            return outs[0]
-        lp = torch.logsumexp(torch.stack([o[0] for o in outs], dim=0), dim=0) - math.log(len(outs))
-        return lp, all(o[1] for o in outs)
+            return outs[0].lprobs, outs[0].logits_finite
+        lp = torch.logsumexp(torch.stack([o.lprobs for o in outs], dim=0), dim=0) - math.log(len(outs))
+        return lp, all(o.logits_finite for o in outs)
 
     # ---- output ------------------------------------------------------------------------
 
