@@ -67,7 +67,7 @@ def test_hydra_and_python_take_the_same_options(tiny):
     from omegaconf import OmegaConf
 
     root = OmegaConf.create({"generation": {"beam": 5},
-                             "fastgen": {"disable": ["native_step", "kv_cache"],
+                             "fastgen": {"disable": ["native_step", "vocab_pad"],
                                          "tune": "gemm=onednn", "continuous_rows": 16}})
     cfg = config_sources.from_hydra(root.generation)
     assert not cfg.native_step and not cfg.vocab_pad and cfg.gemm == "onednn"

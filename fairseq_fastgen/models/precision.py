@@ -18,8 +18,9 @@ projection in float32, 90 of 100 (a whole-model ``model.bfloat16()``: about 71 o
 
 What runs in bfloat16 here has no float32 twin with the same rounding, so the C++ step,
 oneDNN's float32 kernel choice, MKL packed weights and continuous batching (all float32
-machinery) step aside under it; stock's modules under the same autocast region (bitwise
-mode) are the reference a ``--bf16`` run is compared with.
+machinery) step aside under it; stock's modules under the same autocast region, their
+output projection in float32 as well (bitwise mode, :func:`float32_output_projections`),
+are the reference a ``--bf16`` run is compared with.
 """
 import contextlib
 import logging
@@ -71,3 +72,34 @@ def float32_region(device_type: str):
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def float32_output_projections(models, device_type: str):
+    """Stock's modules under the bfloat16 region with the same exception as the fast step:
+    each model's ``decoder.output_projection`` runs in float32 (bitwise ``--bf16``, the
+    reference).  Forward hooks on those modules, removed on exit; nothing while autocast
+    is off."""
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    open_regions = []
+
+    def enter(module, args):
+        region = torch.autocast(device_type, enabled=False)
+        region.__enter__()
+        open_regions.append(region)
+
+    def leave(module, args, out):
+        open_regions.pop().__exit__(None, None, None)
+
+    handles = []
+    for m in models:
+        proj = getattr(getattr(m, "decoder", None), "output_projection", None)
+        if isinstance(proj, torch.nn.Module):
+            handles += [proj.register_forward_pre_hook(enter), proj.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

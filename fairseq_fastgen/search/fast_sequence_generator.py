@@ -101,7 +101,8 @@ class FastSequenceGenerator(SequenceGenerator):
     def _generate(self, sample: Dict[str, Dict[str, Tensor]], prefix_tokens=None,
                   constraints=None, bos_token=None):
         dev = next(self.model.parameters()).device
-        with precision.region(self.fastgen.enabled and self.fastgen.bf16, dev):  # else fp32
+        with precision.region(self.fastgen.enabled and self.fastgen.bf16, dev), \
+                precision.float32_output_projections(self.model.models, dev.type):  # as the step's
             return self._generate_any(sample, prefix_tokens, constraints, bos_token)
 
     def bf16(self) -> bool:
