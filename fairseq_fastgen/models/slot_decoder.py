@@ -197,9 +197,7 @@ class SlotDecoder:
         Buffers keep their size when rows are dropped (the rows in use are a prefix,
         still a view of ``(t, rows*H, hd)``): no allocation after the first batches."""
         dev, dtype = self.stack.device_dtype()
-        pos = min(steps, max(self._pos_limit, 1))
-        if self._positions is None or self._positions.size(1) < pos:
-            self._positions = self.stack.position_table(pos)
+        self._position_room(steps)
         self.rows = rows
         if self.k and self.k[0].size(0) >= steps and self.k[0].size(1) >= rows:
             return
@@ -222,6 +220,9 @@ class SlotDecoder:
         """Room for ``steps`` positions: grown by 1.25x (at least MARGIN more, at most
         the admitted limit), a prefix copy each time."""
         have = self.k[0].size(0) if self.k else 0
+        # buffers kept from an earlier batch may outsize the position table of a run whose
+        # limit was lower: its embeddings are looked up whatever the buffers hold
+        self._position_room(steps)
         if steps <= have and (self._anc is None or steps <= self._anc.size(1)):
             return
         steps = max(steps, min(max(int(have * GROWTH), have + MARGIN), self._max_steps))
@@ -229,6 +230,12 @@ class SlotDecoder:
             self._ensure(self.rows, steps)
         else:
             self._own_rows(self.rows, steps)
+
+    def _position_room(self, steps: int) -> None:
+        """The position table covers ``steps`` positions, at most the limit's."""
+        pos = min(steps, max(self._pos_limit, 1))
+        if self._positions is None or self._positions.size(1) < pos:
+            self._positions = self.stack.position_table(pos)
 
     def reorder(self, order: Tensor, keep_slots: Optional[Tensor], upto: int) -> None:
         """Row i becomes old row order[i] (n_new,) for every cached step < ``upto``
