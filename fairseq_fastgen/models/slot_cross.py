@@ -53,6 +53,15 @@ class SlotCross:
         pad[:old_slots, :old_w] = self.pad
         self.k, self.v, self.pad = k, v, pad
 
+    def adopt(self, batch: CrossAttentionCache) -> None:
+        """A batch's sentences take slots 0..bsz-1 in order: its keys/values become the
+        slots' own, without a copy (batch-at-a-time decoding); the padding mask is copied:
+        :meth:`keep` rewrites it in place, and it is the encoder output's."""
+        self.k, self.v = batch.k, batch.v
+        bsz, s = self.k.size(0) // self.heads, self.k.size(1)
+        self.pad = batch.pad.clone() if batch.pad is not None else torch.zeros(
+            bsz, s, dtype=torch.bool, device=self.k.device)
+
     def admit(self, slots: Tensor, batch: CrossAttentionCache, sents: Tensor) -> None:
         """Slots (m,) take sentences ``sents`` (m,) of a batch's projected keys/values."""
         h, hd = self.heads, self.head_dim

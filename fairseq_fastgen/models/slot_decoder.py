@@ -35,7 +35,7 @@ away, where the rows take their slots' buffer rows with them.  A sentence taking
 slot takes its rows' buffer rows (the finished sentence no longer reads them); new slots
 take buffer rows no live row owns.  So a buffer row is written by one live sentence only.
 """
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,20 +44,12 @@ from torch import Tensor
 from . import native_step
 from .cached_attention import CrossAttentionCache, source_length
 from .slot_cross import SlotCross
+from .step_records import BlockOutput, Queries, StepOutput
 from .layers import DecoderStack, LayerWeights
 
 _NEG_INF = float("-inf")
 GROWTH = 1.25  # positions grow by this factor (a growth copies the prefix once)
 MARGIN = 16  # positions past the source length a batch first reserves, and the least growth
-
-
-class StepOutput(NamedTuple):
-    """lprobs: (n, V) float32 log-probabilities; attn: (n, S) head-averaged
-    cross-attention or None; logits_finite: the logits were proven finite (then lprobs
-    has no NaN unless temperature < 1)."""
-    lprobs: Tensor
-    attn: Optional[Tensor]
-    logits_finite: bool
 
 
 class SlotDecoder:
@@ -145,13 +137,15 @@ class SlotDecoder:
         decoding's padding: their position embedding is the last one's)."""
         self.rows = 0
         self._hi = 0
-        sents = torch.arange(bsz, device=self.stack.device_dtype()[0])
         width = source_length(encoder_out)
         self._width = width
         first = min(max_steps, 64 if width is None else width + MARGIN)
-        self.admit(sents, self.batch_cross(encoder_out), sents, bsz * self.beam, first)
-        self._pos_limit = max_steps
-        self._max_steps = max_steps + room
+        self.prepare()
+        for cross, b in zip(self.cross, self.batch_cross(encoder_out)):
+            if cross is not None and b is not None:
+                cross.adopt(b)
+        self._pos_limit, self._max_steps = max_steps, max_steps + room
+        self._take_rows(bsz * self.beam, first)
 
     def admit(self, slots: Tensor, batch: List[Optional[CrossAttentionCache]], sents: Tensor,
               rows: int, max_steps: int) -> None:
@@ -163,10 +157,13 @@ class SlotDecoder:
         for cross, b in zip(self.cross, batch):
             if cross is not None and b is not None:
                 cross.admit(slots, b, sents)
+        self._take_rows(rows, max_steps)
+
+    def _take_rows(self, rows: int, steps: int) -> None:
         if self._native is None:
-            self._ensure(rows, max_steps)
+            self._ensure(rows, steps)
         else:
-            self._own_rows(rows, max_steps)
+            self._own_rows(rows, steps)
 
     def _own_rows(self, rows: int, steps: int) -> None:
         """Native: rows past the ones in use take buffer rows no live row owns."""
@@ -292,7 +289,7 @@ class SlotDecoder:
             if steps is not None:  # (n, 1, 1, t_max+1): True where a row's history ends
                 mask = (torch.arange(t_max + 1, device=x.device).unsqueeze(0) >
                         steps.unsqueeze(1)).view(n, 1, 1, t_max + 1)
-            q = _Queries(n, 1, steps, torch.arange(n, device=x.device), t_max, mask)
+            q = Queries(n, 1, steps, torch.arange(n, device=x.device), t_max, mask)
             x, attn = self._python_layers(x, q, need_attn)
         x = self.stack.final_features(x)
         lprobs = self.stack.log_probs(x, temperature)[:, : self.vocab]
@@ -302,7 +299,7 @@ class SlotDecoder:
 
     def block(self, tokens: Tensor, start: Tensor, out_rows: Optional[Tensor] = None,
               bounds: Optional[Tuple[int, int]] = None, log_probs: bool = False,
-              temperature: float = 1.0) -> "BlockOutput":
+              temperature: float = 1.0) -> BlockOutput:
         """A block of ``L`` tokens per row (aggressive decoding's verification pass, the
         Python layers): tokens (n, L) int64, row r's tokens at positions start[r] + 0..L-1,
         query j of row r seeing keys 0..start[r]+j only (causal within the block, blind
@@ -326,7 +323,7 @@ class SlotDecoder:
         if L > 1 or bounds[0] != bounds[1]:  # key i visible to query (r, j) iff i <= pos
             mask = (torch.arange(t1, device=dev).view(1, 1, t1) > pos.unsqueeze(2)).unsqueeze(1)
         rows = torch.arange(n, device=dev).repeat_interleave(L)
-        x, _ = self._python_layers(x, _Queries(n, L, pos.reshape(-1), rows, t1 - 1, mask), False)
+        x, _ = self._python_layers(x, Queries(n, L, pos.reshape(-1), rows, t1 - 1, mask), False)
         if out_rows is not None:
             x = x.index_select(0, out_rows)
         x = self.stack.final_features(x)
@@ -337,7 +334,7 @@ class SlotDecoder:
         """Blocks (beam 1): only rows (n_new,) stay, in that order."""
         self.reorder(rows, rows, min(self._hi, self.k[0].size(0)))
 
-    def _python_layers(self, x: Tensor, q: "_Queries", need_attn: bool):
+    def _python_layers(self, x: Tensor, q: Queries, need_attn: bool):
         def self_attention(i: int, l: LayerWeights, x: Tensor) -> Tensor:
             return self._self_attention(i, l, x, q)
 
@@ -356,7 +353,7 @@ class SlotDecoder:
         return self._native.at_row_steps(x, caches, xs, t_max, self.beam, self._anc[:n],
                                          lens, self._phys[:n], need_attn)
 
-    def _self_attention(self, i: int, l: LayerWeights, x: Tensor, at: "_Queries") -> Tensor:
+    def _self_attention(self, i: int, l: LayerWeights, x: Tensor, at: Queries) -> Tensor:
         """x: (n*L, C), row-major: the L queries of each row."""
         m, c = x.shape
         n, L = at.n, at.L
@@ -382,23 +379,3 @@ class SlotDecoder:
         if L > 1:
             out = out.view(n, l.heads, L, l.head_dim).transpose(1, 2)
         return l.sa_out(out.reshape(m, c))
-
-
-class _Queries(NamedTuple):
-    """Where a pass's queries sit: n rows of L queries; pos: (n*L,) int64 each query's
-    position, or None: every row's one query at ``t_max``; rows: (n*L,) int64 its row;
-    t_max: the last key position read; mask: (n, 1, L, t_max+1) bool, True where a key
-    is hidden from a query (None: nothing hidden)."""
-    n: int
-    L: int
-    pos: Optional[Tensor]
-    rows: Tensor
-    t_max: int
-    mask: Optional[Tensor]
-
-
-class BlockOutput(NamedTuple):
-    """scores: (m, V') logits, or log-probabilities when asked (V' >= the vocabulary,
-    columns past it -inf); logits_finite: the logits were proven finite."""
-    scores: Tensor
-    logits_finite: bool
