@@ -56,7 +56,7 @@ class SlotCross:
     def adopt(self, batch: CrossAttentionCache) -> None:
         """A batch's sentences take slots 0..bsz-1 in order: its keys/values become the
         slots' own, without a copy (batch-at-a-time decoding); the padding mask is copied:
-        :meth:`keep` rewrites it in place, and it is the encoder output's."""
+        :meth:`keep` rewrites it in place, and every layer's batch holds the same one."""
         self.k, self.v = batch.k, batch.v
         bsz, s = self.k.size(0) // self.heads, self.k.size(1)
         self.pad = batch.pad.clone() if batch.pad is not None else torch.zeros(
