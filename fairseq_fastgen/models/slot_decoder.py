@@ -289,7 +289,8 @@ class SlotDecoder:
             if steps is not None:  # (n, 1, 1, t_max+1): True where a row's history ends
                 mask = (torch.arange(t_max + 1, device=x.device).unsqueeze(0) >
                         steps.unsqueeze(1)).view(n, 1, 1, t_max + 1)
-            q = Queries(n, 1, steps, torch.arange(n, device=x.device), t_max, mask)
+            rows = torch.arange(n, device=x.device) if steps is not None else None
+            q = Queries(n, 1, steps, rows, t_max, mask)
             x, attn = self._python_layers(x, q, need_attn)
         x = self.stack.final_features(x)
         lprobs = self.stack.log_probs(x, temperature)[:, : self.vocab]

@@ -15,13 +15,14 @@ class StepOutput(NamedTuple):
 
 class Queries(NamedTuple):
     """Where a pass's queries sit: n rows of L queries; pos: (n*L,) int64 each query's
-    position, or None: every row's one query at ``t_max``; rows: (n*L,) int64 its row;
+    position, or None: every row's one query at ``t_max``; rows: (n*L,) int64 its row
+    (None with pos);
     t_max: the last key position read; mask: (n, 1, L, t_max+1) bool, True where a key
     is hidden from a query (None: nothing hidden)."""
     n: int
     L: int
     pos: Optional[Tensor]
-    rows: Tensor
+    rows: Optional[Tensor]
     t_max: int
     mask: Optional[Tensor]
 
