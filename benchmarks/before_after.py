@@ -9,7 +9,8 @@ H-lines are the reference) and then each checkout ``--rounds`` times, old and ne
 alternating which goes first; prints every run (fairseq's generation time, H-lines equal to
 stock's) and per cell the minimum of each side. The cells are the bundled models' test sets
 (es->en beam 5 at batch 64 and 8 in one process, the batch-at-a-time loop, aggressive greedy
-decoding on kjv-web at batch 32 and 1); ``--cells`` picks some by index.
+decoding on kjv-web at batch 32 and 1, a batch on its own with attention weights or
+sampling, ``--fp16``); ``--cells`` picks some by index.
 """
 import argparse
 import os
@@ -21,23 +22,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "examples" / "bible" / "bundle"
 ONE = ["--fastgen-decode-workers", "1"]
-CELLS = [  # (task, batch, beam, plugin flags)
+CELLS = [  # (task, batch, beam, plugin flags[, flags of both sides])
     ("es-en", 64, 5, ONE),
     ("es-en", 64, 5, ONE + ["--fastgen-continuous", "off"]),
     ("es-en", 8, 5, ONE),
     ("kjv-web", 32, 1, ONE + ["--fastgen-aggressive", "on"]),
     ("kjv-web", 1, 1, ONE + ["--fastgen-aggressive", "on"]),
+    # a batch on its own, every sentence at once (stock's rows): attention, sampling
+    ("es-en", 64, 5, ONE, ["--print-alignment"]),
+    ("es-en", 64, 2, ONE, ["--sampling", "--sampling-topk", "10", "--seed", "3",
+                           "--max-len-b", "60"]),
+    # half precision (each side against its own stock: stock --fp16)
+    ("es-en", 64, 5, ONE, ["--fp16"]),
 ]
 
 
-def run(task: str, batch: int, beam: int, plugin: Path = None, flags=()):
+def run(task: str, batch: int, beam: int, plugin: Path = None, flags=(), common=()):
     """(generation seconds or the error's tail, sorted H-lines) of one fairseq-generate."""
     d = BUNDLE / task
     src, tgt = task.split("-")
     exe = Path(sys.executable).parent / "fairseq-generate"
     args = [str(exe), str(d), "--path", str(d / "checkpoint.pt"), "--source-lang", src,
             "--target-lang", tgt, "--gen-subset", "test", "--beam", str(beam),
-            "--batch-size", str(batch), "--post-process", "sentencepiece", "--scoring", "sacrebleu"]
+            "--batch-size", str(batch), "--post-process", "sentencepiece", "--scoring", "sacrebleu",
+            *common]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if plugin is None:
         env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"  # stock on torch >= 2.6
@@ -61,16 +69,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cells", type=int, nargs="*", default=None, help="cell indices (default: all)")
     a = ap.parse_args()
-    for i, (task, batch, beam, flags) in enumerate(CELLS):
+    for i, (task, batch, beam, flags, *common) in enumerate(CELLS):
         if a.cells is not None and i not in a.cells:
             continue
-        key = f"{task} batch {batch} beam {beam} {' '.join(flags)}"
-        stock, ref = run(task, batch, beam)
+        common = common[0] if common else []
+        key = f"{task} batch {batch} beam {beam} {' '.join(flags + common)}"
+        stock, ref = run(task, batch, beam, common=common)
         times = {"stock": [stock], "old": [], "new": []}
         for r in range(a.rounds):
             sides = [("old", a.old), ("new", a.new)]
             for name, tree in sides if r % 2 == 0 else sides[::-1]:
-                t, hyps = run(task, batch, beam, tree.resolve(), flags)
+                t, hyps = run(task, batch, beam, tree.resolve(), flags, common)
                 times[name].append(t)
                 print(f"{key} | {name} {t} | {same_tokens(hyps, ref)}/{len(ref)} H-lines as stock",
                       flush=True)

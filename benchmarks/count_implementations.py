@@ -37,8 +37,6 @@ IMPLEMENTATIONS = {
     "beam bookkeepings": (2, [
         ("stock's _generate", "search/fast_sequence_generator.py",
          r"return super\(\)\._generate\("),
-        ("FastSequenceGenerator's batch loop", "search/fast_sequence_generator.py",
-         r"def _fast_generate\("),
         ("SlotBeams (Python)", "search/continuous/beams.py", r"class SlotBeams"),
         ("slot_beams_step (C++)", "csrc/slot_beams.cpp", r"slot_beams_step\("),
     ]),

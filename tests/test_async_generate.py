@@ -39,9 +39,10 @@ def _pipeline(args, workers, bitwise=False, extra=()):
     return r
 
 
-def _loop(args, bitwise=False):
+def _loop(args, bitwise=False, extra=()):
     r = _gen(args, plugin=True,
-             plugin_args=["--fastgen-disable", "pipeline"] + (["--fastgen-bitwise"] if bitwise else []))
+             plugin_args=["--fastgen-disable", "pipeline", *extra] + (
+                 ["--fastgen-bitwise"] if bitwise else []))
     assert "generate pipeline off: switched off (--fastgen-disable pipeline)" in r.stderr
     return r
 
@@ -71,12 +72,13 @@ def test_bundled_bitwise_equals_stock(task, opts, workers):
 
 def test_bundled_pipeline_equals_loop_lossless():
     """Default (lossless) generator: pipeline on vs fairseq's loop, same generator, batch
-    at a time on both sides (the pipeline's main-process decoding would otherwise batch
+    at a time on both sides, every sentence of a batch in a slot at once (``--fastgen-continuous
+    off``; the main-process decoding and the loop would otherwise refill slots
     continuously: lossless, tested against stock in test_continuous.py, but other GEMM
     rows, so not byte for byte)."""
     args = bundled("kjv-web").args + SHARD + SHORT + ["--beam", "5", "--batch-size", "50",
                                                "--scoring", "sacrebleu"]
-    _assert_same(_loop(args).stdout,
+    _assert_same(_loop(args, extra=["--fastgen-continuous", "off"]).stdout,
                  _pipeline(args, 2, extra=["--fastgen-continuous", "off"]).stdout)
 
 

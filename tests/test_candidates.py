@@ -6,10 +6,23 @@ import torch
 from fairseq.search import BeamSearch
 
 from fairseq_fastgen.models import native_step
-from fairseq_fastgen.search.candidates import beam_search_step, top_candidates
+from fairseq_fastgen.search.candidates import top_candidates
 
 needs_native = pytest.mark.skipif(native_step.load() is None,
                                   reason=f"no C++ extension ({native_step.load_error()})")
+
+
+def beam_search_step(step, lprobs, scores, beam, native):
+    """The beam step's candidates (search/continuous/beams.py) in ``BeamSearch.step``'s
+    call: lprobs (bsz, beam, V), scores (bsz, beam, step+1)."""
+    bsz, _, vocab = lprobs.shape
+    lp, cum = (lprobs[:, :1], None) if step == 0 else (lprobs, scores[:, :, step - 1])
+    k = min(2 * beam, lp.size(1) * vocab - 1)
+    if native:
+        first = torch.full((bsz,), step == 0)
+        return native_step.load().beam_candidates(
+            lprobs, scores[:, :, max(step - 1, 0)] if step else torch.zeros(bsz, beam), k, first)
+    return top_candidates(lp, cum, k)
 
 
 class _Dict:
@@ -85,13 +98,3 @@ def test_native_candidates_ties_lowest_first_and_small_vocabularies():
     assert v[0, 0] == -1.5 and w[0, 0] == 2 and b[0, 0] == 1
     assert bool(torch.isinf(v[0, 1:]).all())
     assert len({(int(x), int(y)) for x, y in zip(w[0], b[0])}) == 5  # no pair twice
-
-
-@needs_native
-def test_native_candidates_fall_back_off_cpu_float32():
-    """float64 rows (or any row the kernel does not take) get the Python candidates."""
-    lp = torch.log_softmax(torch.randn(3 * 2, 300, dtype=torch.float64), -1).view(3, 2, 300)
-    scores = torch.randn(3, 2, 2, dtype=torch.float64)
-    want = beam_search_step(1, lp, scores, 2, native=False)
-    got = beam_search_step(1, lp, scores, 2, native=True)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))

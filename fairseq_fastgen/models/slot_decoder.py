@@ -2,9 +2,10 @@
 
 Continuous batching (:mod:`~fairseq_fastgen.search.continuous`) keeps ``slots`` sentences
 of ``beam`` rows each in flight; a finished sentence's slot is taken by the next
-sentence of the data, which starts at step 0 while its neighbours are deeper.  The
-generator's batch-at-a-time loop is the special case of slots filled once per batch, every
-row at one step (:meth:`SlotDecoder.start`, ``steps=None``).  The layer arithmetic is
+sentence of the data, which starts at step 0 while its neighbours are deeper.  A batch
+decoded on its own is the special case where every row may stand at one step
+(``steps=None``); aggressive decoding's batches take every slot at once
+(:meth:`SlotDecoder.start`).  The layer arithmetic is
 :class:`~fairseq_fastgen.models.layers.DecoderStack`'s; this module owns the caches:
 
 * self-attention keys/values: one time-major buffer per layer, ``(T, rows, C)``, written at
@@ -54,8 +55,8 @@ MARGIN = 16  # positions past the source length a batch first reserves, and the 
 
 class SlotDecoder:
     """One fairseq transformer model decoding ``slots x beam`` rows at per-row steps: the
-    one decoder step of the fast paths (continuous batching's stream and the generator's
-    batch-at-a-time loop, a batch being slots filled once).
+    one decoder step of the fast paths (the slot engine's, a batch decoded on its own
+    included, and aggressive decoding's blocks).
 
     Per step: :meth:`step` (tokens and steps of every row), then :meth:`reorder`.  New
     sentences: :meth:`batch_cross` once per batch, :meth:`admit` per slot they take, or
@@ -113,13 +114,10 @@ class SlotDecoder:
                            native=native.for_stack(stack) if native is not None else None)
 
     def reset(self) -> None:
-        """Forget every slot and buffer (a new run of batches)."""
-        self.k, self.v, self._spare = [], [], []
+        """Forget every slot (a new run of batches); the buffers are kept, as
+        :meth:`start` keeps them, and admitted sentences overwrite what they read."""
         self.rows = 0
-        self._anc = self._phys = None
-        for c in self.cross:
-            if c is not None:
-                c.k = c.v = c.pad = None
+        self._hi = 0
 
     # ---- sentences in and out ---------------------------------------------------------
 

@@ -23,17 +23,13 @@ sentence keeping its k best sums, a block of 16 words looked at only when one of
 first.  At batch 8, beam 5 it took candidate selection from ~110 to ~30 us per step
 (benchmarks/results/NOTES.md, "Native beam candidates").
 """
-import logging
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..models import native_step
 
 CHUNK = 64
-logger = logging.getLogger(__name__)
-_logged = []
 
 
 def top_candidates(lprobs: Tensor, scores: Optional[Tensor], k: int,
@@ -49,7 +45,7 @@ def top_candidates(lprobs: Tensor, scores: Optional[Tensor], k: int,
     bsz, beams, vocab = lprobs.shape
     n_chunks = vocab // chunk
     if n_chunks <= k:  # small vocabulary: nothing to prune
-        return _full_topk(lprobs, scores, k)
+        return full_topk(lprobs, scores, k)
     main = lprobs[..., : n_chunks * chunk].view(bsz, beams, n_chunks, chunk)
     best = main.amax(dim=-1)  # (bsz, beams, n_chunks)
     if scores is not None:
@@ -80,33 +76,12 @@ def top_candidates(lprobs: Tensor, scores: Optional[Tensor], k: int,
     return values, pool_words.gather(1, pos), pool_beams.gather(1, pos)
 
 
-def _full_topk(lprobs: Tensor, scores: Optional[Tensor], k: int):
+def full_topk(lprobs: Tensor, scores: Optional[Tensor], k: int):
+    """stock's candidates: one ``topk`` over each sentence's ``beam * V`` sums (its order
+    among exact ties); arguments and results as :func:`top_candidates`'s."""
     bsz, beams, vocab = lprobs.shape
     if scores is not None:
         lprobs = lprobs + scores.unsqueeze(-1)
     values, idx = torch.topk(lprobs.reshape(bsz, -1), k=k, dim=1)
     beam = torch.div(idx, vocab, rounding_mode="trunc")
     return values, idx - beam * vocab, beam
-
-
-def beam_search_step(step: int, lprobs: Tensor, scores: Tensor, beam_size: int,
-                     native: bool = False):
-    """Drop-in for fairseq ``BeamSearch.step`` (no constraints): lprobs (bsz, beam, V),
-    scores (bsz, beam, step) float. Returns (scores, words, beams), each (bsz, 2*beam).
-    native: the C++ pass for CPU float32 rows (see the module doc)."""
-    bsz, _, vocab = lprobs.shape
-    if step == 0:  # all hypotheses are equal: only the first beam, as fairseq does
-        lprobs, cum = lprobs[:, :1], None
-    else:
-        cum = scores[:, :, step - 1]
-    k = min(2 * beam_size, lprobs.size(1) * vocab - 1)
-    if native and lprobs.device.type == "cpu" and lprobs.dtype == torch.float32 and \
-            lprobs.stride(-1) == 1:
-        module = native_step.load()
-        if module is not None:
-            return module.beam_candidates(lprobs, cum, k)
-        if not _logged:
-            _logged.append(True)
-            logger.info("fairseq-fastgen: native candidates off (C++ extension unavailable "
-                        "(%s)); Python candidates", native_step.load_error())
-    return top_candidates(lprobs, cum, k)

@@ -14,15 +14,22 @@ given the same log-probabilities (which differ only by GEMM rounding: lossless m
 Finished hypotheses are kept in tensors (``(slots, beam, L)``), so a step finalizes every
 slot's eos candidates with a few tensor operations and one host read; hypotheses become
 fairseq's dicts only when their sentence is done.
+
+Three settings serve what a batch decoded on its own asks for (every slot at one step,
+:mod:`.stream`): ``select``, another candidate choice in ``BeamSearch.step``'s call
+signature (fairseq's sampling draws, over stock's rows); ``stock_topk``, stock's one
+top-k over each sentence's ``beam * V`` sums (half precision ties often, and the order
+among exact ties is then ``torch.topk``'s, as stock's); ``attention``, each hypothesis's
+cross-attention history (``--print-alignment``), kept and finalized as stock keeps it.
 """
 import math
-from typing import Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from ...models import native_step
-from ..candidates import top_candidates
+from ..candidates import full_topk, top_candidates
 from . import margins
 
 
@@ -46,12 +53,19 @@ class SlotBeams:
     """
 
     def __init__(self, beam: int, eos: int, pad: int, normalize: bool, len_penalty: float,
-                 match_source_len: bool, device, native: bool = False):
+                 match_source_len: bool, device, native: bool = False,
+                 select: Optional[Callable] = None, stock_topk: bool = False,
+                 attention: bool = False):
         """native: on CPU float32, candidates by the C++ extension's ``beam_candidates``
         (see :mod:`~fairseq_fastgen.search.candidates`) and the rest of :meth:`step` by
-        its ``slot_beams_step`` (``csrc/slot_beams.cpp``, same bits)."""
+        its ``slot_beams_step`` (``csrc/slot_beams.cpp``, same bits); select, stock_topk,
+        attention: see the module doc (select and attention run the Python statements)."""
         self.beam = beam
-        self._native = native_step.load() if native else None
+        self._native = native_step.load() if native and select is None and not attention else None
+        self._native_candidates = native_step.load() if native and not stock_topk else None
+        self.select = select
+        self.stock_topk = stock_topk
+        self.attention = attention
         self.eos = eos
         self.pad = pad
         self.normalize = normalize
@@ -62,6 +76,7 @@ class SlotBeams:
         self.slots = 0
         z = torch.zeros(0, dtype=torch.long, device=device)
         self.tokens = self.scores = self.ignore = z
+        self.attn = self.fin_attn = z  # attention: (rows, S, L+2), (slots, beam, S, L+1)
         self.fin_tokens = self.fin_pos = self.fin_score = self.fin_len = self.fin_count = z
 
     # ---- room --------------------------------------------------------------------
@@ -87,7 +102,19 @@ class SlotBeams:
         self.fin_score = grown(self.fin_score, (s2, k), 0.0, torch.float)
         self.fin_len = grown(self.fin_len, (s2, k), 0, torch.long)
         self.fin_count = grown(self.fin_count, (s2,), 0, torch.long)
+        if self.attn.numel():
+            a = self.attn.size(1)
+            self.attn = grown(self.attn, (s2 * k, a, w2 + 2), 0.0, torch.float)
+            self.fin_attn = grown(self.fin_attn, (s2, k, a, w2 + 1), 0.0, torch.float)
         self.slots, self.width = s2, w2
+
+    def ensure_attention(self, width: int) -> None:
+        """Room for attention over sources of ``width`` positions (attention only)."""
+        if self.attn.numel() and self.attn.size(1) >= width:
+            return
+        r, k, w = self.slots * self.beam, self.beam, self.width
+        self.attn = torch.zeros(r, width, w + 2, device=self.device)
+        self.fin_attn = torch.zeros(self.slots, k, width, w + 1, device=self.device)
 
     def start(self, slots: Tensor, bos: int) -> None:
         """Slots (m,) begin new sentences: BOS, no score, nothing finished."""
@@ -99,31 +126,48 @@ class SlotBeams:
         self.fin_count[slots] = 0
 
     def keep(self, slots: Tensor) -> None:
-        """Only slots (s_new,) stay, in that order (rows already reordered by the step)."""
-        for name in ("ignore", "fin_tokens", "fin_pos", "fin_score", "fin_len", "fin_count"):
+        """Only slots (s_new,) stay, in that order, with their rows."""
+        k = self.beam
+        rows = (slots.unsqueeze(1) * k + torch.arange(k, device=self.device)).view(-1)
+        n = rows.numel()
+        with_attn = bool(self.attn.numel())
+        for name in ("tokens", "scores") + (("attn",) if with_attn else ()):
+            buf = getattr(self, name)
+            buf[:n] = buf.index_select(0, rows)
+            setattr(self, name, buf[:n])
+        names = ("ignore", "fin_tokens", "fin_pos", "fin_score", "fin_len", "fin_count")
+        for name in names + (("fin_attn",) if with_attn else ()):
             setattr(self, name, getattr(self, name).index_select(0, slots))
         self.slots = slots.numel()
-        self.tokens = self.tokens[: self.slots * self.beam]
-        self.scores = self.scores[: self.slots * self.beam]
 
     # ---- one step ------------------------------------------------------------------
 
     def step(self, lprobs: Tensor, steps: Tensor, first: Tensor, src_len: Tensor,
-             margin: float = 0.0, at_limit: Optional[Tensor] = None) -> BeamStep:
+             margin: float = 0.0, at_limit: Optional[Tensor] = None,
+             uniform: Optional[int] = None, attn: Optional[Tensor] = None) -> BeamStep:
         """Candidates, finalization and the next hypotheses of every slot.
 
         lprobs: (slots*beam, V) masked log-probabilities; steps: (slots,) int64 step of
         each slot; first: (slots,) bool, slot at step 0; src_len: (slots,) source lengths;
         margin > 0: the margin guard's (:mod:`.margins`), with at_limit (slots,) bool the
-        slots at their length limit.  fin_count then says which slots have ``beam``
-        hypotheses.
+        slots at their length limit; uniform: every slot's step, when they share one
+        (``select`` needs it); attn: (slots*beam, S) the step's attention (``attention``).
+        fin_count then says which slots have ``beam`` hypotheses.
         """
         k, s = self.beam, steps.numel()
         lp = lprobs.view(s, k, -1)
         row_steps = steps.repeat_interleave(k)
+        if attn is not None:  # stock: attn[:, :, step + 1] before the finalization
+            self.ensure_attention(attn.size(1))
+            r = torch.arange(s * k, device=self.device)
+            self.attn[r, : attn.size(1), row_steps + 1] = attn.to(self.attn.dtype)
         decide = 2 * k
         wanted = margins.candidates_wanted(k, lp.size(-1)) if margin > 0 else decide
-        cand = self._candidates(lp, row_steps, first, wanted)
+        if self.select is not None:
+            assert uniform is not None, "select: every slot at one step"
+            cand = self.select(uniform, lp, self.scores[: s * k].view(s, k, -1)[:, :, :uniform])
+        else:
+            cand = self._candidates(lp, row_steps, first, wanted)
         ignored = self.ignore[:s].any(1) if margin > 0 else None  # before this step
         order, had_eos, roles = self._decide(*(t[:, :decide] for t in cand), steps, src_len,
                                              roles=margin > 0)
@@ -169,6 +213,8 @@ class SlotBeams:
         row_steps = steps.repeat_interleave(k)
         self.tokens[r, row_steps + 1] = torch.gather(cand_words, 1, active).view(-1)
         self.scores[r, row_steps] = torch.gather(cand_scores, 1, active).view(-1).type_as(self.scores)
+        if self.attn.numel():
+            self.attn[:n] = self.attn.index_select(0, order)
         if not roles:
             return order, had_eos, None
         role = torch.zeros(cand_scores.shape, dtype=torch.int8, device=self.device)
@@ -181,17 +227,18 @@ class SlotBeams:
         selects its 2*beam."""
         s, k, _ = lp.shape
         cum = self.scores[: s * k].gather(1, (row_steps - 1).clamp(min=0).unsqueeze(1)).view(s, k)
-        if self._native is not None and lp.dtype == torch.float32 and lp.device.type == "cpu" \
-                and lp.stride(-1) == 1:
-            return self._native.beam_candidates(lp, cum, wanted, first)
+        if self._native_candidates is not None and lp.dtype == torch.float32 and \
+                lp.device.type == "cpu" and lp.stride(-1) == 1:
+            return self._native_candidates.beam_candidates(lp, cum, wanted, first)
+        top = full_topk if self.stock_topk else top_candidates
         n_first = int(first.sum())
         if n_first == 0:
-            return top_candidates(lp, cum, wanted)
+            return top(lp, cum, wanted)
         if n_first == s:
-            return top_candidates(lp[:, :1], None, wanted)
+            return top(lp[:, :1], None, wanted)
         fi, di = first.nonzero().squeeze(1), (~first).nonzero().squeeze(1)
-        a = top_candidates(lp.index_select(0, fi)[:, :1], None, wanted)
-        b = top_candidates(lp.index_select(0, di), cum.index_select(0, di), wanted)
+        a = top(lp.index_select(0, fi)[:, :1], None, wanted)
+        b = top(lp.index_select(0, di), cum.index_select(0, di), wanted)
         out = []
         for x, y in zip(a, b):
             z = x.new_empty((s,) + x.shape[1:])
@@ -232,11 +279,15 @@ class SlotBeams:
         self.fin_pos[slot, p] = ps
         self.fin_score[slot, p] = eos_scores.type_as(self.fin_score)
         self.fin_len[slot, p] = st + 1
+        if self.attn.numel():  # stock: attn[bbsz, :, 1 : step + 2], zero past the step
+            self.fin_attn[slot, p] = self.attn.index_select(0, bb)[:, :, 1:]
         self.fin_count.index_add_(0, slot, torch.ones_like(slot))
         return accept
 
-    def hypotheses(self, slots: Tensor) -> List[List[Dict[str, Tensor]]]:
-        """fairseq's finalized hypotheses of each slot in ``slots``, best first."""
+    def hypotheses(self, slots: Tensor, widths: Optional[List[int]] = None
+                   ) -> List[List[Dict[str, Tensor]]]:
+        """fairseq's finalized hypotheses of each slot in ``slots``, best first; widths:
+        each slot's source width (its attention's rows; with ``attention``)."""
         out = []
         counts = self.fin_count.index_select(0, slots).tolist()
         lens = self.fin_len.index_select(0, slots).tolist()
@@ -247,7 +298,8 @@ class SlotBeams:
                 hyps.append({
                     "tokens": self.fin_tokens[s, p, :n].clone(),
                     "score": self.fin_score[s, p].clone(),
-                    "attention": torch.empty(0),
+                    "attention": self.fin_attn[s, p, : widths[i], :n].clone()
+                    if self.attention and self.fin_attn.numel() else torch.empty(0),
                     "alignment": torch.empty(0),
                     "positional_scores": self.fin_pos[s, p, :n].clone(),
                 })

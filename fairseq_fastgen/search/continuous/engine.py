@@ -9,8 +9,10 @@ limit of that batch (``max_len_a * src_width + max_len_b`` of the batch's padded
 ``--match-source-len``'s), its prefix tokens, min length, n-gram ban and unk penalty,
 each at its own step.  Batches come out whole and in input order.
 
-Batches the engine does not serve (a prefix that contains eos: stock then copies beams
-across the batch) are decoded by the generator's batch-at-a-time path, in order.
+The generator decodes a batch on its own with the same engine (:meth:`ContinuousBeamSearch.decode`:
+the batch's sentences fill the slots, refilled from the batch, or all at once where
+stock's rows are needed).  Batches the engine does not serve (a prefix that contains eos:
+stock then copies beams across the batch) are decoded by ``regular``, in order.
 
 On oneDNN's GEMMs (``--fastgen-tune gemm=auto``/``onednn``) the margin guard (:mod:`.margins`)
 marks each sentence whose beam compared candidates too close to call; such a sentence
@@ -44,20 +46,26 @@ class ContinuousBeamSearch:
     generator: a :class:`~fairseq_fastgen.search.fast_sequence_generator.FastSequenceGenerator`
     whose fast path serves these batches; ``capacity``: sentences in flight at most (0:
     the largest batch seen so far, at most ``--fastgen-tune continuous_rows`` rows);
-    ``regular(sample, prefix_tokens)``: the batch-at-a-time decoding of a batch the engine does not serve.  With ``auto`` on
-    CPU, while no batch has had more than one sentence, batches go to ``regular``
-    (nothing to refill; measured 4% faster there, docs/continuous-batching.md).
+    ``regular(sample, prefix_tokens)``: the decoding of a batch the engine does not serve
+    (a prefix that contains eos).
     """
 
     def __init__(self, generator, capacity: int = 0,
                  regular: Optional[Callable[[Dict[str, Any], Optional[Tensor]], list]] = None,
-                 onednn: Optional[bool] = None):
+                 onednn: Optional[bool] = None, select: Optional[Callable] = None,
+                 stock_topk: bool = False, need_attn: bool = False):
         """onednn: the decoders' GEMM kernel (None: as ``--fastgen-tune gemm`` resolves it).
         On oneDNN with ``--fastgen-tune margin_guard`` > 0, a sentence whose decoding compared
-        candidates closer than the margin is decoded again on MKL (:mod:`.margins`)."""
+        candidates closer than the margin is decoded again on MKL (:mod:`.margins`).
+        select, stock_topk, need_attn: the beams' settings (:class:`.beams.SlotBeams`;
+        need_attn: hypotheses keep their attention), for batches decoded on their own
+        (:meth:`decode`)."""
         self.gen = generator
         self.capacity = capacity
         self.regular = regular
+        self.select = select
+        self.stock_topk = stock_topk
+        self.need_attn = need_attn
         self.beam = generator.beam_size
         self.onednn = engine_onednn(generator) if onednn is None else onednn
         # the margin guard's multiple of the score moves measured on the first batch, and
@@ -67,8 +75,6 @@ class ContinuousBeamSearch:
         rows = generator.fastgen.continuous_rows or auto_rows(generator, self.onednn)
         self.max_slots = max(1, rows // self.beam) if rows else None
         self.rules = StepRules.of(generator)
-        self.singles_regular = regular is not None and generator.fastgen.continuous == "auto" \
-            and not next(generator.model.parameters()).is_cuda
         # the generator's own layer stacks, on this engine's kernel: one copy of the weights
         self.decoders = [d.on_stack(d.stack.with_gemm(self.onednn)) for d in generator.decoders()]
         self._reference: Optional["ContinuousBeamSearch"] = None
@@ -104,11 +110,25 @@ class ContinuousBeamSearch:
         for d in self.decoders:
             d.prepare()
 
-    def goes_regular(self, bsz: int, prefix: Optional[Tensor], capacity: int) -> bool:
-        """Whether a batch goes to the batch-at-a-time path: a prefix with eos, or (auto on
-        CPU) a batch of one sentence while no batch has had more."""
-        return (bsz == 1 and capacity <= 1 and self.singles_regular) or (
-            prefix is not None and bool(prefix.eq(self.rules.eos).any()))
+    def goes_regular(self, prefix: Optional[Tensor]) -> bool:
+        """Whether a batch goes to ``regular``: a prefix that contains eos (stock then
+        copies a sentence's first beam over the others)."""
+        return prefix is not None and bool(prefix.eq(self.rules.eos).any())
+
+    def decode(self, sample: Dict[str, Any], prefix: Optional[Tensor], bos: Optional[int] = None,
+               whole: bool = False) -> list:
+        """One batch, decoded on its own: ``SequenceGenerator._generate``'s result.
+        bos: the hypotheses' first token (None: eos); whole: every sentence takes a slot
+        at once and none is refilled (every slot at one step: stock's rows, which
+        sampling's draws, fairseq's own n-gram blocker and attention need), else at most
+        the engine's capacity in flight."""
+        bsz = sample["net_input"]["src_tokens"].size(0)
+        capacity = bsz if whole else min(bsz, self.max_slots or bsz)
+        run = StreamRun(self, Feed([(sample, prefix)]), self.margin or 0.0, bos=bos,
+                        capacity=max(capacity, 1))
+        with torch.no_grad():
+            (_, hypos), = list(run.loop())
+        return hypos
 
     # ---- the stream ---------------------------------------------------------------------
 
@@ -136,10 +156,10 @@ class ContinuousBeamSearch:
         """The first batch decoded on both kernels from one (MKL) encoder output: its
         output is MKL's, and the largest score move between the two sets the margin
         (:func:`.margins.calibrated`).  A batch that gave no evidence (decoded
-        batch-at-a-time, or empty) leaves the margin to the next one."""
+        by ``regular``, or empty) leaves the margin to the next one."""
         sample, prefix = item[0], item[1]
         bsz = sample["net_input"]["src_tokens"].size(0)
-        if bsz == 0 or self.goes_regular(bsz, prefix, self.capacity or 1):
+        if bsz == 0 or self.goes_regular(prefix):
             return sample, self.regular(sample, prefix) if bsz else []
         again = (sample, prefix, list(range(bsz)), self.gen.forward_encoder(sample["net_input"]))
         (_, reference), = list(self.reference().run([again]))

@@ -1,7 +1,8 @@
 """What continuous batching serves, and on which kernel and row bound.
 
-:func:`unsupported` says why a run's batches go batch-at-a-time instead (the engine then
-never sees them); :func:`engine_onednn` and :func:`auto_rows` resolve the engine's GEMM
+:func:`unsupported` says why a run's batches go to the generator one at a time instead
+(each then decoded on its own: by the same engine where the generator's fast path serves
+it, else by stock's loop); :func:`engine_onednn` and :func:`auto_rows` resolve the engine's GEMM
 kernel and its bound on rows in flight from the generator's config, once per engine.
 """
 from typing import Optional
@@ -28,7 +29,7 @@ def engine_onednn(generator) -> bool:
     """Whether the engine's decoders run their GEMMs on oneDNN: ``--fastgen-tune gemm=onednn``
     where the kernel serves the model (fp32 CPU), or ``auto`` where oneDNN also measures
     faster and the margin guard can catch its rounding.  Only the engine runs oneDNN: the
-    batch-at-a-time path and aggressive decoding stay on MKL, where nothing guards them."""
+    generator's own batches and aggressive decoding stay on MKL, where nothing guards them."""
     cfg = generator.fastgen
     stacks = [d.stack for d in generator.decoders()]
     if cfg.gemm == "mkl" or not all(st.onednn_serves("onednn") for st in stacks):
@@ -38,7 +39,7 @@ def engine_onednn(generator) -> bool:
 
 
 def unsupported(generator, task=None, constraints: bool = False) -> Optional[str]:
-    """Why these batches are decoded one at a time (None: the engine serves them)."""
+    """Why these batches go to the generator one at a time (None: the stream serves them)."""
     from fairseq.tasks import FairseqTask
 
     cfg = getattr(generator, "fastgen", None)
@@ -53,7 +54,7 @@ def unsupported(generator, task=None, constraints: bool = False) -> Optional[str
     if generator.bf16() or next(generator.model.parameters()).dtype != torch.float32:
         # the engine's candidates order exact ties otherwise than stock's top-k, and half
         # precision ties often (docs/lossless.md, "Half precision")
-        return "half precision (--fp16 / --bf16) runs the batch-at-a-time step"
+        return "half precision (--fp16 / --bf16): each batch on its own, stock's top-k"
     if getattr(generator, "sampling", False):
         return "sampling draws stock's random numbers over stock's batches"
     if generator.need_attn:

@@ -29,15 +29,20 @@ RECHECK_EVERY = 64
 class StreamRun:
     """The state of one :meth:`ContinuousBeamSearch.run`: slots, beams, batches in flight."""
 
-    def __init__(self, eng, feed: Feed, margin: float):
-        """eng: the :class:`~.engine.ContinuousBeamSearch` running; margin: the guard's."""
+    def __init__(self, eng, feed: Feed, margin: float, bos: Optional[int] = None,
+                 capacity: Optional[int] = None):
+        """eng: the :class:`~.engine.ContinuousBeamSearch` running; margin: the guard's;
+        bos: the first token of every hypothesis (None: eos, stock's default); capacity:
+        slots, fixed (None: the engine's)."""
         self.eng = eng
         self.feed = feed
         self.margin = margin
+        self.bos = eng.gen.eos if bos is None else bos
         self.exhausted = False
         self.order: Deque[Batch] = deque()  # batches not yet handed out, input order
         self.pending: Deque[Pending] = deque()
-        self.capacity = eng.capacity
+        self.fixed = capacity is not None
+        self.capacity = eng.capacity if capacity is None else capacity
         self.beams: Optional[SlotBeams] = None
         # per slot (host): its sentence, step, length limit
         self.slot_of: List[Optional[Pending]] = []  # None: free
@@ -64,7 +69,7 @@ class StreamRun:
 
     def _pull(self) -> bool:
         """Encode the next batch into the pending sentences; False at the end, when the
-        feed has none yet, or when the batch was decoded batch-at-a-time (it is then
+        feed has none yet, or when the batch was decoded by ``regular`` (it is then
         ready to go out)."""
         while True:
             try:
@@ -77,14 +82,14 @@ class StreamRun:
             # a second decoding (margin guard) also names its sentences and encoder output
             sample, prefix, *again = got
             bsz = sample["net_input"]["src_tokens"].size(0)
-            if self.eng.capacity == 0:  # the largest batch seen (fairseq's batches <= --batch-size)
+            if self.eng.capacity == 0 and not self.fixed:  # the largest batch seen (fairseq's batches <= --batch-size)
                 self.capacity = max(self.capacity, min(bsz, self.eng.max_slots or bsz))
             indices = list(again[0]) if again else list(range(bsz))
             b = Batch(sample, [None] * bsz, len(indices), prefix)
             self.order.append(b)
             if bsz == 0:
                 continue
-            if self.eng.goes_regular(bsz, prefix, self.capacity):
+            if self.eng.goes_regular(prefix):
                 b.hypos = self.eng.regular(sample, prefix)
                 b.remaining = 0
                 return False  # out before the next batch is read
@@ -145,10 +150,12 @@ class StreamRun:
             g = eng.gen
             self.beams = SlotBeams(eng.beam, g.eos, g.pad, g.normalize_scores, g.len_penalty,
                                    g.match_source_len, dev,
-                                   native=g.fastgen.native_candidates and not g.fastgen.bitwise)
+                                   native=g.fastgen.native_candidates and not g.fastgen.bitwise,
+                                   select=eng.select, stock_topk=eng.stock_topk,
+                                   attention=eng.need_attn)
         self.beams.ensure(len(self.slot_of), max(self.limits) + 1)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
-        self.beams.start(slot_t, eng.gen.eos)  # stock's start token (bos_token=None)
+        self.beams.start(slot_t, self.bos)
         if self.margin > 0:
             if self.guard is None:
                 g = eng.gen
@@ -187,23 +194,32 @@ class StreamRun:
         eng, beams, k = self.eng, self.beams, self.eng.beam
         s = len(self.slot_of)
         dev = beams.device
+        n = s * k
+        lo, t_max = min(self.steps), max(self.steps)
+        # every slot at one step, of one length limit (a batch decoded on its own): stock's
+        # uniform step and rules (any n-gram blocker; sampling's draws)
+        uniform = lo == t_max and min(self.limits) == max(self.limits)
         steps = torch.tensor(self.steps, dtype=torch.long, device=dev)
         limits = torch.tensor(self.limits, dtype=torch.long, device=dev)
         row_steps = steps.repeat_interleave(k)
-        n = s * k
-        t_max = max(self.steps)
-        last = beams.tokens[:n].gather(1, row_steps.unsqueeze(1)).squeeze(1)
-        lprobs, finite = self._forward(last, row_steps, t_max)
+        if uniform:
+            last = beams.tokens[:n, lo]
+            lprobs, finite, attn = self._forward(last, None, t_max)
+            at = StepAt.uniform(lo)
+        else:
+            last = beams.tokens[:n].gather(1, row_steps.unsqueeze(1)).squeeze(1)
+            lprobs, finite, attn = self._forward(last, row_steps, t_max)
+            rows = torch.arange(s, device=dev).repeat_interleave(k) if (
+                self._prefix is not None) else None
+            at = StepAt(lo, t_max, row_steps, rows, limits.repeat_interleave(k))
         rules = eng.rules
-        rows = torch.arange(s, device=dev).repeat_interleave(k) if self._prefix is not None else None
-        at = StepAt(min(self.steps), t_max, row_steps, rows, limits.repeat_interleave(k))
         rules.mask_step(lprobs, at, max(self.limits), finite, self._prefix, beam=k)
         lprobs = rules.ban_repeats(lprobs, at, beams.tokens[:n], s, k)
         src_len = torch.stack([p.batch.src_len[p.index] for p in self.slot_of]) if (
             rules.match_source_len) else steps
         at_limit = steps.ge(limits)
         order, had_eos, tight = beams.step(lprobs, steps, steps.eq(0), src_len, self.margin,
-                                           at_limit)
+                                           at_limit, uniform=lo if uniform else None, attn=attn)
         if self.guard is not None:
             self.guard.step(tight)
         stuck = at_limit & ~had_eos
@@ -225,14 +241,26 @@ class StreamRun:
             self.steps[i] += 1
         return done
 
-    def _forward(self, last: Tensor, row_steps: Tensor, t_max: int):
-        """Ensemble step combined as fairseq's ``EnsembleModel.forward_decoder``."""
-        temp = self.eng.gen.temperature
-        outs = [d.step(last, row_steps, t_max, temp) for d in self.eng.decoders]
+    def _forward(self, last: Tensor, row_steps: Optional[Tensor], t_max: int):
+        """Ensemble step combined as fairseq's ``EnsembleModel.forward_decoder``: lprobs
+        (n, V), whether the logits were proven finite, and the attention (n, S) averaged
+        over the models (None unless the engine keeps it; S: the widest source in
+        flight)."""
+        temp, need_attn = self.eng.gen.temperature, self.eng.need_attn
+        outs = [d.step(last, row_steps, t_max, temp, need_attn) for d in self.eng.decoders]
+        attn = None
+        if need_attn and outs[0].attn is not None:
+            width = max(p.batch.sample["net_input"]["src_tokens"].size(1) for p in self.slot_of)
+            attn = outs[0].attn[:, :width]
+            if len(outs) > 1:  # stock's order: added model by model, then divided
+                attn = attn.clone()
+                for o in outs[1:]:
+                    attn.add_(o.attn[:, :width])
+                attn.div_(len(outs))
         if len(outs) == 1:
-            return outs[0].lprobs, outs[0].logits_finite
+            return outs[0].lprobs, outs[0].logits_finite, attn
         lp = torch.logsumexp(torch.stack([o.lprobs for o in outs], dim=0), dim=0) - math.log(len(outs))
-        return lp, all(o.logits_finite for o in outs)
+        return lp, all(o.logits_finite for o in outs), attn
 
     # ---- output ------------------------------------------------------------------------
 
@@ -245,7 +273,9 @@ class StreamRun:
         b = self.beams
         again = self.guard.finished(done_t, b.fin_score, b.fin_len, b.fin_count) \
             if self.guard is not None else [False] * len(done)
-        for slot, hyps, redo in zip(done, b.hypotheses(done_t), again):
+        widths = [self.slot_of[i].batch.sample["net_input"]["src_tokens"].size(1)
+                  for i in done] if self.eng.need_attn else None
+        for slot, hyps, redo in zip(done, b.hypotheses(done_t, widths), again):
             p = self.slot_of[slot]
             if p.batch.other is not None:  # re-checking the margin: decoded on MKL too
                 p.batch.other[p.index] = hyps
@@ -270,9 +300,6 @@ class StreamRun:
         keep = [i for i, p in enumerate(self.slot_of) if p is not None]
         keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
         rows = (keep_t.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
-        n = rows.numel()
-        beams.tokens[:n] = beams.tokens.index_select(0, rows)
-        beams.scores[:n] = beams.scores.index_select(0, rows)
         beams.keep(keep_t)
         t = max(self.steps) + 1
         for d in self.eng.decoders:
