@@ -156,7 +156,7 @@ def test_bundled_model_buffers_kept_and_native_candidates_lossless():
             s = stock.generate(models, b)
             assert_same_hypos(s, fast.generate(models, b), bitwise=False)
             assert_same_hypos(s, off.generate(models, b), bitwise=False)
-            ptrs.append(fast.decoders()[0].k[0].data_ptr())
+            ptrs.append(fast._batch_engine().decoders[0].k[0].data_ptr())
     assert ptrs[1] == ptrs[0]  # the batch of 3 decoded in the batch of 12's buffers
 
 

@@ -22,6 +22,7 @@ top-k over each sentence's ``beam * V`` sums (half precision ties often, and the
 among exact ties is then ``torch.topk``'s, as stock's); ``attention``, each hypothesis's
 cross-attention history (``--print-alignment``), kept and finalized as stock keeps it.
 """
+import logging
 import math
 from typing import Callable, Dict, List, NamedTuple, Optional
 
@@ -31,6 +32,9 @@ from torch import Tensor
 from ...models import native_step
 from ..candidates import full_topk, top_candidates
 from . import margins
+
+logger = logging.getLogger(__name__)
+_said = []
 
 
 class BeamStep(NamedTuple):
@@ -61,6 +65,10 @@ class SlotBeams:
         its ``slot_beams_step`` (``csrc/slot_beams.cpp``, same bits); select, stock_topk,
         attention: see the module doc (select and attention run the Python statements)."""
         self.beam = beam
+        if native and native_step.load() is None and not _said:
+            _said.append(True)
+            logger.info("fairseq-fastgen: native candidates off (C++ extension unavailable "
+                        "(%s)); Python candidates", native_step.load_error())
         self._native = native_step.load() if native and select is None and not attention else None
         self._native_candidates = native_step.load() if native and not stock_topk else None
         self.select = select
@@ -113,8 +121,12 @@ class SlotBeams:
         if self.attn.numel() and self.attn.size(1) >= width:
             return
         r, k, w = self.slots * self.beam, self.beam, self.width
-        self.attn = torch.zeros(r, width, w + 2, device=self.device)
-        self.fin_attn = torch.zeros(self.slots, k, width, w + 1, device=self.device)
+        attn = torch.zeros(r, width, w + 2, device=self.device)
+        fin_attn = torch.zeros(self.slots, k, width, w + 1, device=self.device)
+        if self.attn.numel():  # a wider source joined: the history so far kept
+            attn[:, : self.attn.size(1)] = self.attn
+            fin_attn[:, :, : self.fin_attn.size(2)] = self.fin_attn
+        self.attn, self.fin_attn = attn, fin_attn
 
     def start(self, slots: Tensor, bos: int) -> None:
         """Slots (m,) begin new sentences: BOS, no score, nothing finished."""
