@@ -30,7 +30,7 @@ CELLS = [  # (task, batch, beam, plugin flags[, flags of both sides])
     ("kjv-web", 1, 1, ONE + ["--fastgen-aggressive", "on"]),
     # a batch on its own, every sentence at once (stock's rows): attention, sampling
     ("es-en", 64, 5, ONE, ["--print-alignment"]),
-    ("es-en", 64, 2, ONE, ["--sampling", "--sampling-topk", "10", "--seed", "3",
+    ("es-en", 64, 2, ONE, ["--sampling", "--sampling-topk", "10", "--seed", "3", "--nbest", "2",
                            "--max-len-b", "60"]),
     # half precision (each side against its own stock: stock --fp16)
     ("es-en", 64, 5, ONE, ["--fp16"]),

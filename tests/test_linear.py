@@ -23,10 +23,9 @@ def test_equal_to_the_modules_within_rounding_and_follows_weight_updates():
     assert torch.allclose(fused(x)[:, 32:], v(x), atol=1e-5)
 
 
-def test_bitwise_and_unusable_modules_are_called_as_they_are():
+def test_unusable_modules_are_called_as_they_are():
     lin = nn.Linear(8, 4, bias=False)
-    assert projection(lin, transposed=False) is lin
-    t = projection(lin, transposed=True)
+    t = projection(lin)
     t.refresh()
     x = torch.randn(3, 8)
     assert torch.allclose(t(x), lin(x), atol=1e-6)
@@ -35,5 +34,5 @@ def test_bitwise_and_unusable_modules_are_called_as_they_are():
         pass
 
     c = Custom(8, 4)
-    assert projection(c, transposed=True) is c
+    assert projection(c) is c
     assert not TransposedLinear.usable([nn.Linear(8, 4), nn.Linear(8, 4, bias=False)])

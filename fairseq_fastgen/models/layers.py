@@ -48,11 +48,11 @@ class LayerWeights:
         qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
         p, d = max_packs, onednn  # only the transposed copies use them
         self.qkv = TransposedLinear(qkv, p, d) if TransposedLinear.usable(qkv) else None
-        self.sa_out = projection(sa.out_proj, True, p, d)
-        self.fc1 = projection(layer.fc1, True, p, d)
-        self.fc2 = projection(layer.fc2, True, p, d)
-        self.ea_q = projection(ea.q_proj, True, p, d) if ea is not None else None
-        self.ea_out = projection(ea.out_proj, True, p, d) if ea is not None else None
+        self.sa_out = projection(sa.out_proj, p, d)
+        self.fc1 = projection(layer.fc1, p, d)
+        self.fc2 = projection(layer.fc2, p, d)
+        self.ea_q = projection(ea.q_proj, p, d) if ea is not None else None
+        self.ea_out = projection(ea.out_proj, p, d) if ea is not None else None
 
     def refresh(self) -> None:
         """Re-read copied weights that changed (the model may have trained since)."""
@@ -111,7 +111,7 @@ class DecoderStack:
             if vocab_pad and PaddedProjection.worthwhile(proj) else None)
         # logits may carry -inf padding columns past the vocabulary (see PaddedProjection):
         # callers normalize whole rows, then keep [..., :vocab]
-        self._out_t = (projection(proj, True, packs, self.onednn)
+        self._out_t = (projection(proj, packs, self.onednn)
                        if proj is not None else None)
         # blocked output projection + log_softmax (another GEMM blocking: lossless mode)
         self._blocked_lprobs = proj is not None and standard_normalization(model)

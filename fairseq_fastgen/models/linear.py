@@ -85,11 +85,11 @@ class TransposedLinear:
         return torch.addmm(self.bias, x, self.wt)
 
 
-def projection(linear: nn.Module, transposed: bool, max_packs: int = 0, onednn: bool = False
+def projection(linear: nn.Module, max_packs: int = 0, onednn: bool = False
                ) -> Callable[[Tensor], Tensor]:
-    """``linear`` as a callable: a :class:`TransposedLinear` copy when ``transposed`` and
-    usable, else the module itself (in bitwise mode: exactly stock's GEMM)."""
-    if transposed and TransposedLinear.usable([linear]):
+    """``linear`` as a callable: a :class:`TransposedLinear` copy where usable, else the
+    module itself."""
+    if TransposedLinear.usable([linear]):
         return TransposedLinear([linear], max_packs, onednn)
     return linear
 

@@ -87,7 +87,6 @@ class SlotDecoder:
         self.v: List[Tensor] = []
         self._spare: List[Optional[Tensor]] = []
         self._positions: Optional[Tensor] = None
-        self._width: Optional[int] = None  # source width of a batch (start), for attention
         self._max_steps = 0  # positions the sentences in flight may reach
         self._pos_limit = 0  # positions with an embedding of their own
         self._hi = 0  # positions written so far (blocks)
@@ -136,7 +135,6 @@ class SlotDecoder:
         self.rows = 0
         self._hi = 0
         width = source_length(encoder_out)
-        self._width = width
         first = min(max_steps, 64 if width is None else width + MARGIN)
         self.prepare()
         for cross, b in zip(self.cross, self.batch_cross(encoder_out)):
@@ -269,7 +267,7 @@ class SlotDecoder:
         """last: (n,) int64 each row's latest token; steps: (n,) int64 each row's step
         (None: every row at ``t_max``, a batch's); t_max: the largest step (host);
         need_attn: also the last layer's head-averaged cross-attention (n, S) over the
-        batch's source width (:meth:`start`)."""
+        slots' key width (0 past a sentence's source)."""
         n = last.numel()
         self._reserve(t_max + 1)
         if steps is None:
@@ -292,8 +290,6 @@ class SlotDecoder:
             x, attn = self._python_layers(x, q, need_attn)
         x = self.stack.final_features(x)
         lprobs = self.stack.log_probs(x, temperature)[:, : self.vocab]
-        if attn is not None and self._width is not None:
-            attn = attn[:, : self._width]
         return StepOutput(lprobs, attn, self.stack.logits_finite(x))
 
     def block(self, tokens: Tensor, start: Tensor, out_rows: Optional[Tensor] = None,

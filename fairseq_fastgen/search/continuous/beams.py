@@ -63,13 +63,13 @@ class SlotBeams:
         """native: on CPU float32, candidates by the C++ extension's ``beam_candidates``
         (see :mod:`~fairseq_fastgen.search.candidates`) and the rest of :meth:`step` by
         its ``slot_beams_step`` (``csrc/slot_beams.cpp``, same bits); select, stock_topk,
-        attention: see the module doc (select and attention run the Python statements)."""
+        attention: see the module doc (attention runs the Python statements)."""
         self.beam = beam
         if native and native_step.load() is None and not _said:
             _said.append(True)
             logger.info("fairseq-fastgen: native candidates off (C++ extension unavailable "
                         "(%s)); Python candidates", native_step.load_error())
-        self._native = native_step.load() if native and select is None and not attention else None
+        self._native = native_step.load() if native and not attention else None
         self._native_candidates = native_step.load() if native and not stock_topk else None
         self.select = select
         self.stock_topk = stock_topk
