@@ -1,6 +1,9 @@
 // One beam-search step of every sentence slot after its candidates are chosen
 // (continuous batching): fairseq_fastgen/search/continuous/beams.py, SlotBeams.step's
 // statements after _candidates, in one pass instead of ~60 small tensor operations.
+// What it pays (benchmarks/before_after.py, this pass vs the Python statements, es->en,
+// beam 5, one process, Intel Xeon, 2026-12-08): batch 8 14.4 s vs 16.0 s (11%); batch
+// 64 10.7 vs 10.8 s (within noise).
 //
 // Per slot i (its rows i*k .. i*k+k-1; nothing couples two slots), as stock's
 // SequenceGenerator._generate does for a sentence:

@@ -62,7 +62,8 @@ class SlotBeams:
                  attention: bool = False):
         """native: on CPU float32, candidates by the C++ extension's ``beam_candidates``
         (see :mod:`~fairseq_fastgen.search.candidates`) and the rest of :meth:`step` by
-        its ``slot_beams_step`` (``csrc/slot_beams.cpp``, same bits); select, stock_topk,
+        its ``slot_beams_step`` (``csrc/slot_beams.cpp``, same bits; 11% of a batch-8
+        run, its header says); select, stock_topk,
         attention: see the module doc (attention runs the Python statements)."""
         self.beam = beam
         if native and native_step.load() is None and not _said:
