@@ -234,9 +234,10 @@ def test_slot_rows_never_share_a_buffer_row(tiny):
     assert sd._phys[:8].tolist() == phys
 
 
-@pytest.mark.parametrize("normalize,lenpen,match", [(True, 1.0, False), (True, 0.6, True),
-                                                    (False, 1.0, False)])
-def test_native_slot_bookkeeping_is_the_python_bit_for_bit(normalize, lenpen, match):
+@pytest.mark.parametrize("normalize,lenpen,match,cands", [
+    (True, 1.0, False, 6), (True, 0.6, True, 6), (False, 1.0, False, 6),
+    (True, 1.0, False, 3)])  # 3: sampling's draws, one candidate per beam
+def test_native_slot_bookkeeping_is_the_python_bit_for_bit(normalize, lenpen, match, cands):
     """csrc/slot_beams.cpp vs SlotBeams.step's statements, from the same candidates and
     state (eos candidates among the first beam, ignored ones, slots nearly full)."""
     from fairseq_fastgen.models import native_step
@@ -261,11 +262,11 @@ def test_native_slot_bookkeeping_is_the_python_bit_for_bit(normalize, lenpen, ma
         b.scores.copy_(scores)
         b.ignore.copy_(ignore)
         b.fin_count.copy_(count)
-    cs = -torch.rand(s, 2 * k, generator=g).cumsum(1)
-    cs[1, 4] = float("-inf")
-    cw = torch.randint(2, 5, (s, 2 * k), generator=g)  # eos (2) often
-    cw[1, 4] = eos
-    cb = torch.randint(0, k, (s, 2 * k), generator=g)
+    cs = -torch.rand(s, cands, generator=g).cumsum(1)
+    cs[1, cands - 2] = float("-inf")
+    cw = torch.randint(2, 5, (s, cands), generator=g)  # eos (2) often
+    cw[1, cands - 2] = eos
+    cb = torch.randint(0, k, (s, cands), generator=g)
     steps = torch.tensor([0, 3, 5, 7, 10, 4])
     src_len = torch.tensor([4, 2, 9, 3, 12, 4])
     outs = []
@@ -285,3 +286,51 @@ def test_native_slot_bookkeeping_is_the_python_bit_for_bit(normalize, lenpen, ma
             assert torch.equal(py.fin_tokens[slot, p, :n], cc.fin_tokens[slot, p, :n])
             assert torch.equal(py.fin_pos[slot, p, :n], cc.fin_pos[slot, p, :n])
             assert torch.equal(py.fin_score[slot, p], cc.fin_score[slot, p])
+
+
+def test_attention_kept_over_refilled_slots_and_wider_sources(tiny, monkeypatch):
+    """need_attn: each hypothesis's attention history is stock's, with slots refilled from
+    the batch and the next ones (of other source widths)."""
+    from fairseq_fastgen.search.continuous.beams import SlotBeams
+
+    grown, real = [], SlotBeams.ensure_attention
+
+    def spy(self, width):
+        if self.attn.numel() and width > self.attn.size(1):
+            grown.append(width)
+        return real(self, width)
+
+    monkeypatch.setattr(SlotBeams, "ensure_attention", spy)
+    task, models, cfg = load(tiny.data, [tiny.preln])
+    stock, fast = generators(task, models, FastGenConfig(), beam=3, max_len_b=20)
+    # narrowest first: wider sources join slots whose attention history is kept
+    samples = sorted(batches(task, cfg, 4, limit=4), key=lambda b: b["net_input"]["src_tokens"].size(1))
+    assert len({b["net_input"]["src_tokens"].size(1) for b in samples}) > 1
+    engine = ContinuousBeamSearch(fast, capacity=3, need_attn=True)
+    for sample, hypos in engine.run((b, None) for b in samples):
+        want = stock.generate(models, sample)
+        assert_same_hypos(want, hypos, bitwise=False)
+        for w, h in zip(want, hypos):
+            for a, b in zip(w, h):
+                assert a["attention"].shape == b["attention"].shape and b["attention"].numel()
+                assert torch.allclose(a["attention"], b["attention"], atol=1e-5)
+    assert grown  # a wider source joined
+
+
+def test_attention_history_survives_a_wider_source():
+    """SlotBeams' attention buffers grow to a wider source keeping the history so far."""
+    from fairseq_fastgen.search.continuous.beams import SlotBeams
+
+    b = SlotBeams(2, 2, 1, False, 1.0, False, "cpu", attention=True)
+    b.ensure(2, 6)
+    b.start(torch.tensor([0, 1]), 2)
+    b.ensure_attention(3)
+    hist = torch.rand(4, 3, 8)
+    fin = torch.rand(2, 2, 3, 7)
+    b.attn.copy_(hist)
+    b.fin_attn.copy_(fin)
+    b.ensure_attention(5)
+    assert b.attn.shape == (4, 5, 8) and b.fin_attn.shape == (2, 2, 5, 7)
+    assert torch.equal(b.attn[:, :3], hist) and not bool(b.attn[:, 3:].any())
+    assert torch.equal(b.fin_attn[:, :, :3], fin) and not bool(b.fin_attn[:, :, 3:].any())
+

@@ -123,6 +123,7 @@ class ContinuousBeamSearch:
         sampling's draws, fairseq's own n-gram blocker and attention need), else at most
         the engine's capacity in flight."""
         bsz = sample["net_input"]["src_tokens"].size(0)
+        self.rules = StepRules.of(self.gen)  # read per batch, as stock's loop reads them
         capacity = bsz if whole else min(bsz, self.max_slots or bsz)
         run = StreamRun(self, Feed([(sample, prefix)]), self.margin or 0.0, bos=bos,
                         capacity=max(capacity, 1))
