@@ -242,7 +242,7 @@ def _close(kind: str, la: str, lb: str) -> Tuple[bool, float]:
         if ta != tb:
             return False, 0.0
         d = _fdiff(sa, sb)
-        return d <= SCORE_TOL, d
+        return d <= score_tolerance(float(sa)), d
     if kind == "P":
         xa, xb = la.split(), lb.split()
         if len(xa) != len(xb):
@@ -250,6 +250,16 @@ def _close(kind: str, la: str, lb: str) -> Tuple[bool, float]:
         d = max((_fdiff(x, y) for x, y in zip(xa, xb)), default=0.0)
         return d <= PRINTED_TOL + _FLOAT_SLACK, d
     return False, 0.0
+
+
+def score_tolerance(score: float) -> float:
+    """How far a score may move: SCORE_TOL, or two float32 units in the last place of
+    ``score`` where that is more (past |1,024| one unit is 1.2e-4: the cumulative score of
+    a long hypothesis rounded once otherwise is no difference; docs/lossless.md)."""
+    a = abs(score)
+    if not math.isfinite(a) or a < 1.0:
+        return SCORE_TOL
+    return max(SCORE_TOL, 2.0 ** (math.floor(math.log2(a)) - 22))
 
 
 def _fdiff(x: str, y: str) -> float:

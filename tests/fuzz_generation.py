@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 from hypothesis import strategies as st
 
+from fairseq_fastgen.compare import score_tolerance
 from fairseq_fastgen.config import FastGenConfig
 from fairseq_fastgen.search.ngram_blocker import corrected_stock_loop
 
@@ -350,7 +351,7 @@ def hypo_difference(hs, hf, bitwise: bool) -> Optional[str]:
         if not (torch.equal(a, b) and torch.equal(pa, pb)):
             return f"scores not bitwise equal: {float(a)!r} vs {float(b)!r}"
     else:
-        if not _close(float(a), float(b)):
+        if not _close(float(a), float(b), score_tolerance(float(a))):
             return f"score {float(a)} vs {float(b)}"
         if pa.shape != pb.shape or not all(
                 _close(x, y, t) for x, y, t in zip(pa.tolist(), pb.tolist(), positional_tolerance(pa))):

@@ -113,3 +113,15 @@ def test_run_measured():
     code = "import sys; sys.stdout.write(sys.stdin.read().upper()); sys.stderr.write('e'); sys.exit(3)"
     out, err, rc, rss = run_measured([sys.executable, "-c", code], dict(os.environ), "abc")
     assert (out, err, rc) == ("ABC", "e", 3) and rss > 1
+
+
+def test_score_tolerance_is_two_float32_units_past_1024():
+    """1e-4 below |1,024|; past it, two units in the last place (one unit is 1.2e-4 there),
+    so a long hypothesis' score rounded once otherwise is lossless, and two units more is not."""
+    assert compare.score_tolerance(-5.0) == compare.SCORE_TOL
+    assert compare.score_tolerance(float("-inf")) == compare.SCORE_TOL
+    tol = compare.score_tolerance(-1198.1165771484375)
+    assert tol == 2 ** -12
+    a = "-1198.1165771484375\tx"
+    assert compare._close("H", a, "-1198.11669921875\tx")[0]  # one unit apart
+    assert not compare._close("H", a, "-1198.1169433594\tx")[0]  # three units apart

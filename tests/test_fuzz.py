@@ -138,6 +138,12 @@ KEPT = [
         model="bart", sources=[[4, 5]], targets=[[]], gen=dict(beam=1), fastgen=dict(bitwise=True))),
     # the harness: with the plugin off (or --fastgen-tune ngram_blocker=stock) both sides are
     # stock as shipped, #4709 included: stock keeps its own n-gram blocker then
+    # the harness: an unnormalized score past 1,024 in magnitude (200 tokens, lenpen 0) one
+    # float32 unit (1.2e-4) from stock's is no difference (compare.score_tolerance)
+    _kept("long-hypothesis-score-one-unit", Case(
+        model="postln", sources=[[0]], targets=[[0, 0, 0, 0]], batch_size=1,
+        gen=dict(beam=1, lenpen=0.0, max_len_a=0, max_len_b=200, no_repeat_ngram_size=2),
+        fastgen=dict(continuous="off"))),
     _kept("ngram-plugin-off", Case(
         model="postln", sources=[[4, 4, 4, 4], [0] * 10], targets=[[], []],
         gen=dict(beam=1, max_len_b=5, no_repeat_ngram_size=2), fastgen=dict(enabled=False))),
