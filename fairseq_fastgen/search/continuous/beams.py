@@ -292,7 +292,7 @@ class SlotBeams:
         self.fin_pos[slot, p] = ps
         self.fin_score[slot, p] = eos_scores.type_as(self.fin_score)
         self.fin_len[slot, p] = st + 1
-        if self.attn.numel():  # stock: attn[bbsz, :, 1 : step + 2], zero past the step
+        if self.attn.numel():  # stock: attn[bbsz, :, 1 : step + 2] (hypotheses read :step+1)
             self.fin_attn[slot, p] = self.attn.index_select(0, bb)[:, :, 1:]
         self.fin_count.index_add_(0, slot, torch.ones_like(slot))
         return accept
